@@ -1,0 +1,1 @@
+"""Zero-centred RMSNorm (with an optional fused residual add) and the gated RMSNorm of DeltaNet."""

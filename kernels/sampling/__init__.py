@@ -1,0 +1,1 @@
+"""Logits -> token id: greedy, or temperature + top-k + top-p + min-p with stateless per-row randomness."""

@@ -1,0 +1,71 @@
+"""PyTorch sampler with the semantics of the Triton one: the `host` runner's sampler and the tests' oracle.
+
+Semantics (per row b):
+- temperature == 0: greedy, argmax with the lowest index on ties.
+- otherwise p = softmax(logits / temperature), then each filter keeps the tokens at or above a threshold
+  (ties at a cut are all kept): top-k (k <= 0: off) keeps p >= the k-th largest p; top-p (1: off) keeps the
+  smallest set of highest tokens whose mass, renormalised after top-k, reaches top_p; min-p (0: off) keeps
+  p >= min_p * max(p). One token is drawn from the kept set in proportion to p by an exponential race:
+  argmax p_i / E_i with E_i = -log(U_i), U_i a hash of (seed, step, token index) -- not of the row, so
+  equal inputs give equal tokens at any batch position, and nothing depends on a global generator.
+- a row with a NaN logit gives INVALID_TOKEN (-1); a +inf logit wins (lowest such index); -inf is never drawn.
+"""
+
+import torch
+
+INVALID_TOKEN = -1
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U in (0, 1) per (row, token), a stateless hash of (seed, step, token index) -> [B, V] fp64."""
+    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
+    mask = 0xFFFFFFFF
+    h = (seed[:, None] * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + idx * 0xC2B2AE3D) & mask
+    for mult in (0x7FEB352D, 0x846CA68B):  # two rounds of a 32-bit integer mixer
+        h = ((h ^ (h >> 16)) * mult) & mask
+    h = h ^ (h >> 16)
+    return (h.double() + 0.5) / 4294967296.0
+
+
+def filter_probs(probs: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Keep mask [B, V] of the top-k, then top-p, then min-p filters (ties at each cut kept)."""
+    B, V = probs.shape
+    keep = probs > 0
+    sorted_p = probs.sort(dim=-1, descending=True).values
+    k = top_k.clamp(max=V)
+    kth = sorted_p.gather(1, (k - 1).clamp(min=0)[:, None])
+    keep &= torch.where(k[:, None] > 0, probs >= kth, True)
+    masked = torch.where(keep, probs, 0)
+    renorm = masked / masked.sum(-1, keepdim=True)
+    sorted_r = renorm.sort(dim=-1, descending=True).values
+    before = sorted_r.cumsum(-1) - sorted_r  # mass strictly above each sorted position
+    n = (before < top_p[:, None]).sum(-1).clamp(min=1)  # smallest prefix reaching top_p
+    cut = sorted_r.gather(1, (n - 1)[:, None])
+    keep &= torch.where(top_p[:, None] < 1, renorm >= cut, True)
+    keep &= probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
+    return keep
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]; parameters are [B] tensors (scalars broadcast)."""
+    B, V = logits.shape
+    device = logits.device
+
+    def per_row(x, dtype):
+        return torch.as_tensor(x, device=device).to(dtype).expand(B)
+
+    temperature = per_row(temperature, torch.float64)
+    top_k, seed, step = (per_row(x, torch.int64) for x in (top_k, seed, step))
+    top_p, min_p = (per_row(x, torch.float64) for x in (top_p, min_p))
+
+    logits = logits.double()
+    greedy = logits.argmax(-1)
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    keep = filter_probs(probs, top_k, top_p, min_p)
+    race = torch.where(keep, probs / -uniform_noise(seed, step, V).log(), -1.0)
+    drawn = race.argmax(-1)
+    token = torch.where(temperature > 0, drawn, greedy)
+    pos_inf = logits == float("inf")
+    token = torch.where(pos_inf.any(-1), pos_inf.int().argmax(-1), token)
+    return torch.where(logits.isnan().any(-1), INVALID_TOKEN, token)

@@ -1,0 +1,257 @@
+"""Qwen3.5-MoE text model (transformers `qwen3_5_moe_text`), gpt-fast style: static caches held as buffers.
+
+Parameter names equal the Hugging Face text-model keys without their prefix (`layers.3.mlp.experts.gate_up_proj`,
+`lm_head.weight`), so checkpoints map one to one. Every hot op goes through `self.ops[<group>]`, a module of
+`kernels/` picked by `set_kernels` (`kernels.<group>=torch|triton`).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+import kernels
+from qmoe.model.config import ModelConfig
+
+KERNEL_GROUPS = kernels.OPS
+
+
+class Weight(nn.Module):
+    """Holds one parameter named `weight` (norms, router, conv) so state-dict keys match the checkpoints."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = linear(H, self.num_heads * D * 2)  # query and output gate interleaved per head
+        self.k_proj = linear(H, self.num_kv_heads * D)
+        self.v_proj = linear(H, self.num_kv_heads * D)
+        self.o_proj = linear(self.num_heads * D, H)
+        self.q_norm, self.k_norm = Weight(D), Weight(D)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype, device) -> None:
+        shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, x, positions, inv_freq, ops):  # x [B, T, H], positions [B, T]
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        attn = ops["attention"]
+        q, k = attn.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.eps)
+        out = attn.attention(q, k, v, self.k_cache, self.v_cache, positions, self.head_dim**-0.5)
+        out = out.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv_dim, self.kernel_size, self.eps = cfg.conv_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        self.in_proj_qkv = linear(H, self.conv_dim)  # [q | k | v]
+        self.in_proj_z = linear(H, self.nv * self.dv)
+        self.in_proj_b = linear(H, self.nv)
+        self.in_proj_a = linear(H, self.nv)
+        self.conv1d = Weight(self.conv_dim, 1, self.kernel_size)
+        self.A_log = nn.Parameter(torch.empty(self.nv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv), requires_grad=False)
+        self.norm = Weight(self.dv)
+        self.out_proj = linear(self.nv * self.dv, H)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype, device) -> None:
+        conv = torch.zeros(batch_size, self.conv_dim, self.kernel_size - 1, dtype=dtype, device=device)
+        state = torch.zeros(batch_size, self.nv, self.dk, self.dv, dtype=torch.float32, device=device)
+        self.register_buffer("conv_state", conv, persistent=False)
+        self.register_buffer("recurrent_state", state, persistent=False)
+
+    def forward(self, x, positions, inv_freq, ops):  # x [B, T, H]
+        core = ops["gdn"].gated_delta_net(
+            self.in_proj_qkv(x),
+            self.in_proj_z(x),
+            self.in_proj_a(x),
+            self.in_proj_b(x),
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            self.conv_state,
+            self.recurrent_state,
+            self.nk,
+            self.eps,
+        )
+        return self.out_proj(core)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)  # gate rows first
+        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = linear(hidden, intermediate), linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = Weight(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(cfg)
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = linear(cfg.hidden_size, 1)
+
+    def forward(self, x, ops):  # x [B, T, H]
+        s = self.shared_expert
+        out = ops["moe"].moe_block(
+            x.flatten(0, 1),
+            self.gate.weight,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            s.gate_proj.weight,
+            s.up_proj.weight,
+            s.down_proj.weight,
+            self.shared_expert_gate.weight,
+            self.top_k,
+        )
+        return out.view_as(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = SparseMoE(cfg)
+        self.input_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+
+
+class Qwen35MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = Weight(cfg.hidden_size)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.ops = {group: kernels.resolve(group, "torch") for group in KERNEL_GROUPS}
+        self.batch_size = self.max_seq_len = 0
+
+    def set_kernels(self, choice: dict) -> None:
+        """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are."""
+        for group, impl in choice.items():
+            self.ops[group] = kernels.resolve(group, impl)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def setup_caches(self, batch_size: int, max_seq_len: int) -> None:
+        """(Re)allocate the static caches for `batch_size` rows of up to `max_seq_len` positions, zeroed."""
+        cfg = self.config
+        for layer in self.layers:
+            layer.mixer.setup_cache(batch_size, max_seq_len, self.dtype, self.device)
+        rot = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def reset_caches(self) -> None:
+        for name, buf in self.named_buffers():
+            if name.endswith(("_cache", "_state")):
+                buf.zero_()
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] int64 at positions input_pos[b] + t -> fp32 logits [B, V] of the last token
+        ([B, T, V] with all_logits). Caches are read and updated in place."""
+        T = tokens.shape[1]
+        positions = input_pos[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        norm = self.ops["norm"]
+        eps = self.config.rms_norm_eps
+        residual = self.embed_tokens(tokens)  # [B, T, H]
+        x = norm.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            mixed = layer.mixer(x, positions, self.inv_freq, self.ops)
+            x, residual = norm.add_rms_norm(mixed, residual, layer.post_attention_layernorm.weight, eps)
+            moe_out = layer.mlp(x, self.ops)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = norm.add_rms_norm(moe_out, residual, next_norm.weight, eps)
+        if not all_logits:
+            x = x[:, -1]
+        return self.lm_head(x).float()
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
+        """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation."""
+        return self.ops["sampling"].sample(logits, temperature, top_k, top_p, min_p, seed, step)
+
+
+@torch.no_grad()
+def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
+    """Fill every parameter in place on its own device from `seed`: matrices ~ N(0, 1/fan_in) (activations
+    stay O(1), so logits are spread and greedy decoding is not decided by rounding), norms near their
+    identity, DeltaNet decay parameters in their published ranges."""
+    from tqdm import tqdm
+
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    for name, p in tqdm(params, desc="init weights", disable=not progress, unit="tensor"):
+        leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+        if name == "embed_tokens.weight":
+            p.normal_(0.0, 1.0, generator=gen)
+        elif leaf == "A_log":
+            p.uniform_(0.01, 16.0, generator=gen).log_()
+        elif leaf == "dt_bias":
+            p.uniform_(0.5, 1.5, generator=gen)
+        elif leaf == "norm" and "linear_attn" in name:  # plain-weight gated norm, identity at 1
+            p.normal_(1.0, 0.1, generator=gen)
+        elif p.dim() == 1:  # zero-centred norms: scale is (1 + w)
+            p.normal_(0.0, 0.1, generator=gen)
+        else:  # matrices, experts, conv taps
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int | None = 0, progress=False) -> Qwen35MoE:
+    """The model's parameters allocated directly on `device` in `dtype` (no host copy); random when seed is set,
+    left uninitialised (for a checkpoint loader to fill) when seed is None."""
+    with torch.device("meta"):
+        model = Qwen35MoE(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if seed is not None:
+        init_random_(model, seed, progress)
+    return model.eval()
