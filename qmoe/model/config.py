@@ -44,7 +44,7 @@ class ModelConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in (int, "int") and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"model.{f.name}: must be a positive integer, got {value!r}")
+                raise ValueError(f"model.arch.{f.name}: must be a positive integer, got {value!r}")
         checks = [
             (len(self.layer_types) == self.num_hidden_layers, "layer_types", "needs one entry per layer"),
             (set(self.layer_types) <= set(ATTENTION_TYPES), "layer_types", f"entries must be {ATTENTION_TYPES}"),
@@ -69,7 +69,7 @@ class ModelConfig:
         ]
         for ok, key, message in checks:
             if not ok:
-                raise ValueError(f"model.{key}: {message}")
+                raise ValueError(f"model.arch.{key}: {message}")
 
     @property
     def rotary_dim(self) -> int:

@@ -1,0 +1,1 @@
+"""Metrics: latency statistics, memory peaks, environment, results.json, wandb."""

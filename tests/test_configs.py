@@ -1,0 +1,89 @@
+"""Every config group composes; the CLI turns bad input into one line and exit code 2."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from compose import CONFIG_DIR, compose_config
+
+from qmoe.model import ModelConfig
+from qmoe.settings import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = sorted(p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir())
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(CONFIG_DIR) / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_option_composes(group, option):
+    cfg = compose_config(f"{group}={option}")
+    assert cfg[group] is not None
+    if group == "model":
+        ModelConfig.from_dict(cfg.model.arch)  # the architecture numbers are valid
+
+
+def test_released_shapes_have_published_active_params():
+    """35B-A3B: ~3B active parameters per token (2.95 B without the embedding), 34.7 B in all."""
+    counts = ModelConfig.from_dict(compose_config("model=qwen35_moe").model.arch).param_counts()
+    assert 34.0e9 < counts["total"] < 35.5e9
+    assert 2.9e9 < counts["active"] < 3.1e9
+
+
+def test_default_settings_validate():
+    s = validate(compose_config("logger=none"))
+    assert s.runtime == "reference" and s.sampling.greedy
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+BAD_INPUT = [
+    (["model=nope"], "model"),
+    (["runtime=warp"], "runtime"),
+    (["sampling.temperature=-1"], "sampling.temperature"),
+    (["sampling.top_p=0"], "sampling.top_p"),
+    (["sampling.top_p=1.5"], "sampling.top_p"),
+    (["sampling.min_p=2"], "sampling.min_p"),
+    (["generation.max_new_tokens=0"], "generation.max_new_tokens"),
+    (["generation.batch_size=0"], "generation.batch_size"),
+    (["prompt.length=300"], "model.max_seq_len"),
+    (["prompt.token_ids=[1,2,99999]"], "prompt.token_ids"),
+    (["prompt.text=hello"], "prompt.text"),
+    (["model.dtype=float8"], "model.dtype"),
+    (["kernels.moe=cuda"], "kernels.moe"),
+    (["sampling.tempreature=1"], "tempreature"),
+    (["model.arch.hidden_size=0"], "model.arch.hidden_size"),
+    (["model.checkpoint=/no/such/dir"], "/no/such/dir"),
+]
+
+
+@pytest.mark.parametrize("args,key", BAD_INPUT, ids=[a[0] for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2(args, key, tmp_path):
+    r = run_cli(*args, "logger=none", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert key in lines[0]
+
+
+def test_help_is_fast():
+    t0 = time.perf_counter()
+    r = run_cli("--help")
+    assert r.returncode == 0 and "model" in r.stdout
+    assert time.perf_counter() - t0 < 10
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, runpy; sys.argv=['run.py','--help'];\n"
+            "try:\n    runpy.run_path('run.py', run_name='__main__')\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.strip().splitlines()[-1] == "False"
