@@ -1,0 +1,113 @@
+"""run_experiment end to end on the tiny model: results.json, wandb, batches, EOS, sampling, NaN logits."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from compose import compose_config
+
+from qmoe import run_experiment
+from qmoe.model import ModelConfig, build_model
+from qmoe.runtime.generate import GenerationError, ReferenceRunner, generate
+from qmoe.runtime.ledger import TransferLedger
+from qmoe.settings import SamplingSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(tmp_path, *overrides):
+    return run_experiment(compose_config("logger=none", *overrides), run_dir=tmp_path)
+
+
+def test_results_schema(tmp_path):
+    r = run(tmp_path, "generation.max_new_tokens=8")
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["generated"] == r["generated"]
+    assert len(r["generated"]["token_ids"][0]) == 8 and r["generated"]["text"] is None
+    lat = r["latency"]
+    assert lat["ttft_ms"] > 0 and lat["tokens_per_s"] > 0 and lat["warmup_ms"] > 0
+    assert lat["decode_ms"]["steps"] == 7 and lat["decode_ms"]["p50"] <= lat["decode_ms"]["p99"]
+    assert r["config"]["model"]["name"] == "qwen35_moe_tiny"
+    assert r["transfers"]["measured"] and "per_decode_token" in r["transfers"]
+    assert r["memory"]["cpu_peak_rss_bytes"] > 0
+    assert r["environment"]["torch"] == torch.__version__
+
+
+def test_ragged_batch_rows_equal_single_runs(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 12, 9)]
+    batch = run(tmp_path, f"prompt.token_ids={rows}", "generation.batch_size=3", "generation.max_new_tokens=6")
+    for row, tokens in zip(rows, batch["generated"]["token_ids"]):
+        single = run(tmp_path, f"prompt.token_ids={row}", "generation.max_new_tokens=6")
+        assert tokens == single["generated"]["token_ids"][0]
+
+
+def test_random_prompts_differ_per_row(tmp_path):
+    r = run(tmp_path, "generation.batch_size=2", "generation.max_new_tokens=4")
+    assert r["prompt"]["token_ids"][0] != r["prompt"]["token_ids"][1]
+
+
+def test_eos_stops_a_row(tmp_path):
+    first = run(tmp_path, "generation.max_new_tokens=4")["generated"]["token_ids"][0]
+    stopped = run(tmp_path, "generation.max_new_tokens=4", f"model.arch.eos_token_ids=[{first[1]}]")
+    assert stopped["generated"]["token_ids"][0] == first[:2]
+
+
+def test_sampling_reproducible_from_seed(tmp_path):
+    args = ("sampling.temperature=1.0", "sampling.top_p=0.9", "generation.max_new_tokens=12")
+    a = run(tmp_path, *args, "sampling.seed=1")["generated"]["token_ids"]
+    b = run(tmp_path, *args, "sampling.seed=1")["generated"]["token_ids"]
+    c = run(tmp_path, *args, "sampling.seed=2")["generated"]["token_ids"]
+    assert a == b and a != c
+
+
+def test_nan_logits_are_a_one_line_error():
+    model = build_model(ModelConfig.from_dict(compose_config().model.arch), torch.float32, "cpu", seed=0)
+    model.lm_head.weight[3, 0] = float("nan")
+    model.setup_caches(1, 32)
+    runner = ReferenceRunner(model, SamplingSettings(0.0, 0, 1.0, 0.0, 0), 1, TransferLedger())
+    with pytest.raises(GenerationError, match="NaN in batch row 0"):
+        generate(runner, [[1, 2, 3]], 4)
+
+
+def test_wandb_offline_run(tmp_path):
+    r = run_experiment(compose_config("generation.max_new_tokens=4"), run_dir=tmp_path)
+    assert "logger_error" not in r
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_wandb_failure_keeps_results(tmp_path, monkeypatch):
+    import wandb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no wandb service")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    r = run_experiment(compose_config("generation.max_new_tokens=4"), run_dir=tmp_path)
+    assert r["logger_error"].startswith("wandb: RuntimeError")
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["logger_error"] == r["logger_error"] and on_disk["generated"] == r["generated"]
+
+
+def test_cli_default_run_under_60s(tmp_path):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "run.py", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert time.perf_counter() - t0 < 60
+    assert "TTFT" in p.stdout and str(tmp_path / "results.json") in p.stdout
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert len(r["generated"]["token_ids"][0]) == 32
+
+
+def test_multirun_one_results_per_job(tmp_path):
+    p = subprocess.run([sys.executable, "run.py", "-m", "generation.max_new_tokens=2,3", "logger=none",
+                        f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lengths = sorted(len(json.loads(f.read_text())["generated"]["token_ids"][0])
+                     for f in tmp_path.glob("*/results.json"))
+    assert lengths == [2, 3]
