@@ -1,0 +1,185 @@
+"""Triton attention (kernels/attention/triton.py) against the PyTorch reference (kernels/attention/naive.py)."""
+
+import pytest
+import torch
+
+from kernels.attention import naive
+from kernels.attention import triton as tri
+from qmoe.model import ModelConfig, build_model
+from tests.helpers import poisoned, rel_err
+
+EPS = 1e-6
+# qk_norm_rope rounds once where naive rounds after each op; decode attention casts p to the model dtype
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_inv_freq(rot: int, device) -> torch.Tensor:
+    return 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+
+
+def check_qk_norm_rope(B, T, HQ, HKV, D, R, starts, dtype, device):
+    gen = torch.Generator().manual_seed(D + R + T)
+    q = torch.randn(B, T, HQ, 2 * D, generator=gen).to(dtype).to(device)[..., :D]  # strided, as the model's chunk
+    k = torch.randn(B, T, HKV, D, generator=gen).to(dtype).to(device)
+    q_w, k_w = (0.1 * torch.randn(2, D, generator=gen)).to(dtype).to(device)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
+    inv_freq = make_inv_freq(R, device)
+    q_out, k_out = poisoned(B, T, HQ, D, dtype=dtype, device=device), poisoned(B, T, HKV, D, dtype=dtype, device=device)
+    tri.qk_norm_rope_into(q, k, q_w, k_w, positions, inv_freq, EPS, q_out, k_out)
+    q_ref, k_ref = naive.qk_norm_rope(q.float(), k.float(), q_w.float(), k_w.float(), positions, inv_freq, EPS)
+    assert rel_err(q_out, q_ref) < TOL[dtype] and rel_err(k_out, k_ref) < TOL[dtype]
+    q_op, k_op = tri.qk_norm_rope(q, k, q_w, k_w, positions, inv_freq, EPS)
+    assert rel_err(q_op, q_ref) < TOL[dtype] and rel_err(k_op, k_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "B, T, HQ, HKV, D, R, starts",
+    [
+        (1, 1, 4, 2, 32, 8, [0]),  # tiny model decode at position 0 (cos 1, sin 0)
+        (3, 5, 4, 2, 32, 16, [0, 1000, 70000]),  # batch 3 rows far apart; large angles need the range reduction
+        (1, 3, 6, 6, 72, 24, [9]),  # head dim not a power of 2 (masked tail), MHA, R/2 = 12 not a power of 2
+        (2, 2, 16, 2, 256, 64, [31, 4096]),  # 35B-A3B heads: 16 q / 2 kv, head dim 256, rotary 64
+    ],
+)
+def test_qk_norm_rope(B, T, HQ, HKV, D, R, starts, dtype):
+    check_qk_norm_rope(B, T, HQ, HKV, D, R, starts, dtype, "cpu")
+
+
+def make_decode(B, HQ, HKV, D, S, positions, dtype, device, seed=0):
+    """One new token per row at `positions` [B] over a random cache of S slots (garbage past each row's
+    position, so a kernel that reads beyond it fails)."""
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)
+    q, k, v = randn(B, 1, HQ, D), randn(B, 1, HKV, D), randn(B, 1, HKV, D)
+    k_cache, v_cache = randn(B, HKV, S, D), randn(B, HKV, S, D)
+    return q, k, v, k_cache, v_cache, torch.tensor(positions, device=device)[:, None]
+
+
+def check_decode(B, HQ, HKV, D, S, positions, splits, dtype, device):
+    q, k, v, k_cache, v_cache, pos = make_decode(B, HQ, HKV, D, S, positions, dtype, device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    naive.attention(q, k, v, k_ref, v_ref, pos, D**-0.5)  # writes the reference caches
+    ref = naive.attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), pos, D**-0.5)
+    out = poisoned(B, 1, HQ, D, dtype=dtype, device=device)
+    o_part = poisoned(B, HQ, splits, D, device=device)
+    lse_part = poisoned(B, HQ, splits, device=device)
+    tri.decode_attention_into(q, k, v, k_cache, v_cache, pos, D**-0.5, out, o_part, lse_part)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # written exactly where naive writes
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("context", [1, 63, 64, 65, 500])  # one key; around one 64-key tile; many tiles
+@pytest.mark.parametrize("splits", [1, 4, 16])  # no split-K; split-K; more splits than tiles (empty splits)
+def test_decode_attention(context, splits, dtype):
+    # batch 3: one row at `context`, the others at shorter contexts, so rows use different split ranges
+    positions = [context - 1, context // 2, 0]
+    check_decode(3, 4, 2, 32, 512, positions, splits, dtype, "cpu")
+
+
+@pytest.mark.parametrize("context", [1, 65, 500])
+def test_decode_attention_35b_heads(context):
+    """35B-A3B heads (group of 8 q heads, head dim 256), batch 1, default split count for the cache."""
+    splits = tri.num_splits(1, 2, 512, torch.device("cpu"))
+    check_decode(1, 16, 2, 256, 512, [context - 1], splits, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("T", [1, 63, 65])
+def test_attention_through_public_op(T):
+    """attention(): decode (T == 1) through the kernels, prefill through SDPA; rows at different positions,
+    the caches written where naive writes them."""
+    B, HQ, HKV, D, S = 3, 4, 2, 32, 160
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    k_cache, v_cache = torch.randn(2, B, HKV, S, D, generator=gen)
+    positions = torch.tensor([0, 30, 90])[:, None] + torch.arange(T)  # [B, T]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = naive.attention(q, k, v, k_ref, v_ref, positions, D**-0.5)
+    out = tri.attention(q, k, v, k_cache, v_cache, positions, D**-0.5)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_decode_exports():
+    """qk_norm_rope + decode attention export with torch.export (custom ops with fakes, cache mutation
+    declared), and the exported program updates the caches like the eager op."""
+
+    class Decode(torch.nn.Module):
+        def forward(self, q, k, v, k_cache, v_cache, positions, q_w, k_w, inv_freq):
+            q, k = tri.qk_norm_rope(q, k, q_w, k_w, positions, inv_freq, EPS)
+            return tri.attention(q, k, v, k_cache, v_cache, positions, 32**-0.5)
+
+    q, k, v, k_cache, v_cache, pos = make_decode(2, 4, 2, 32, 96, [70, 5], torch.float32, "cpu")
+    q_w, k_w = 0.1 * torch.randn(2, 32)
+    args = (q, k, v, k_cache, v_cache, pos, q_w, k_w, make_inv_freq(8, "cpu"))
+    program = torch.export.export(Decode(), tuple(a.clone() for a in args))
+    graph = str(program.graph)
+    assert "qmoe_attention.decode_attention" in graph and "qmoe_attention.qk_norm_rope" in graph
+    eager_caches = (k_cache.clone(), v_cache.clone())
+    eager = Decode()(q, k, v, *eager_caches, *args[5:])
+    exported = program.module()(*args)
+    assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
+    assert torch.equal(exported, eager)
+
+
+TINY = ModelConfig(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, full_attention_interval=2, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+@torch.no_grad()
+def greedy(model, tokens, steps):
+    """Prefill then `steps` greedy decode steps -> (tokens [B, steps + 1], decode logits [steps, B, V])."""
+    B, T = tokens.shape
+    model.setup_caches(B, T + steps + 1)
+    nxt = model(tokens, torch.zeros(B, dtype=torch.int64)).argmax(-1)
+    out, logits = [nxt], []
+    for s in range(steps):
+        logits.append(model(nxt[:, None], torch.full((B,), T + s)))
+        nxt = logits[-1].argmax(-1)
+        out.append(nxt)
+    return torch.stack(out, 1), torch.stack(logits)
+
+
+def test_tiny_model_greedy_matches_torch():
+    """Tiny model in fp32: attention and norm kernels on triton give torch's greedy tokens (batch 2)."""
+    model = build_model(TINY, torch.float32, "cpu", seed=1)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    ref_tokens, ref_logits = greedy(model, tokens, 8)
+    model.set_kernels({"attention": "triton", "norm": "triton"})
+    tokens_tri, logits_tri = greedy(model, tokens, 8)
+    assert torch.equal(tokens_tri, ref_tokens)
+    assert rel_err(logits_tri, ref_logits) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("context", [1, 65, 1000, 8192])
+def test_decode_attention_gpu_35b(context, dtype):
+    """35B-A3B dims on the GPU with the split count the model gets: batch 1 and batch 3 at different positions."""
+    S = 8192
+    for positions in ([context - 1], [context - 1, context // 3, 0]):
+        splits = tri.num_splits(len(positions), 2, S, torch.device("cuda"))
+        check_decode(len(positions), 16, 2, 256, S, positions, splits, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T, starts", [(1, [0]), (1, [5, 32000, 200000]), (4096, [0])])
+def test_qk_norm_rope_gpu_35b(T, starts, dtype):
+    check_qk_norm_rope(len(starts), T, 16, 2, 256, 64, starts, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_tiny_model_greedy_matches_torch_gpu():
+    model = build_model(TINY, torch.float32, "cuda", seed=1)
+    tokens = torch.randint(0, TINY.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2)).cuda()
+    ref_tokens, ref_logits = greedy(model, tokens, 24)
+    model.set_kernels({"attention": "triton", "norm": "triton"})
+    tokens_tri, logits_tri = greedy(model, tokens, 24)
+    assert torch.equal(tokens_tri, ref_tokens)
+    assert rel_err(logits_tri, ref_logits) < 1e-4
