@@ -1,0 +1,345 @@
+"""Load a Hugging Face Qwen3.5-MoE checkpoint directory (config.json + safetensors) into Qwen35MoE.
+
+Everything is checked from config.json and the safetensors headers before any weight is read: a bad checkpoint
+raises CheckpointError (one line naming the tensor or file) and no model is returned. Then each shard is
+memory-mapped in turn and every tensor goes straight into its parameter on the target device, moved in its stored
+dtype and cast there, so host RAM never holds a second copy of the weights.
+"""
+
+import hashlib
+import json
+import re
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from qmoe.model.config import ModelConfig
+from qmoe.model.qwen35_moe import Qwen35MoE, build_model
+
+CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"
+INDEX, SINGLE_FILE, TOKENIZER = "model.safetensors.index.json", "model.safetensors", "tokenizer.json"
+MULTIMODAL_PREFIX, TEXT_PREFIX = "model.language_model.", "model."
+SKIPPED_PREFIXES = {"mtp": "mtp.", "visual": "model.visual."}  # multi-token-prediction head, vision tower
+PER_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+CASTABLE_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names a float model can take
+SHARD_IDENTITIES = ("size+mtime", "sha256")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message is one line naming the tensor or file."""
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    prefix: str  # "model.language_model." (multimodal releases) or "model." (text-only)
+    expert_layout: str  # "fused", "per_expert" or "mixed" (layers differ)
+    num_tensors: int  # checkpoint tensors read into the model
+    skipped: dict  # {"mtp": n, "visual": n}: tensors present and deliberately not loaded
+    eos_token_ids: tuple
+    load_seconds: float
+    start_rss_bytes: int  # host RSS when loading began
+    peak_rss_bytes: int  # host RSS high-water mark (VmHWM)
+    peak_rss_scope: str  # "load": the mark was reset when loading began; "process": since the process started
+    file_hashes: dict  # file name -> sha256 hex: config/index/generation config of their content, shards per below
+    shard_identity: str  # "size+mtime": sha256 of "<bytes>:<mtime_ns>" (cheap); "sha256": of the whole file
+    weights_id: str  # sha256 over file_hashes: one identity for config + weights
+    tokenizer_path: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return data
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def read_eos_token_ids(path) -> tuple[int, ...]:
+    """EOS ids of config.json (top level and text_config) and generation_config.json, united and sorted."""
+    path = Path(path)
+    config = _read_json(path / CONFIG)
+    ids = _ids(config.get("eos_token_id")) + _ids((config.get("text_config") or {}).get("eos_token_id"))
+    if (path / GENERATION_CONFIG).is_file():
+        ids += _ids(_read_json(path / GENERATION_CONFIG).get("eos_token_id"))
+    return tuple(sorted(set(ids)))
+
+
+def read_config(path, arch_overrides: dict | None = None) -> ModelConfig:
+    """The checkpoint's ModelConfig (EOS ids from both config files), checked against explicit overrides: an
+    override that differs from the checkpoint's value is an error naming both."""
+    path = Path(path)
+    file = path / CONFIG
+    config = _read_json(file)
+    model_type = config.get("model_type")
+    if model_type == "qwen3_5_moe" and isinstance(config.get("text_config"), dict):
+        text = config["text_config"]
+    elif model_type == "qwen3_5_moe_text":
+        text = config
+    else:
+        raise CheckpointError(
+            f"{file}: model_type {model_type!r} is not qwen3_5_moe (with text_config) or qwen3_5_moe_text"
+        )
+    try:
+        cfg = ModelConfig.from_dict({**text, "eos_token_ids": read_eos_token_ids(path)})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    names = {f.name for f in fields(ModelConfig)}
+    for key, value in (arch_overrides or {}).items():
+        if key not in names:
+            raise CheckpointError(f"model.arch.{key}: not a ModelConfig field")
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            value = tuple(value)
+        if value != getattr(cfg, key):
+            raise CheckpointError(f"model.arch.{key}={value!r} conflicts with {key}={getattr(cfg, key)!r} in {file}")
+    return cfg
+
+
+def _shard_files(path: Path) -> tuple[dict | None, list[str]]:
+    """(index weight map or None, shard file names) of a sharded or single-file checkpoint."""
+    index_file = path / INDEX
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_file}: no weight_map")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / name}: shard named by {INDEX} is absent")
+        return weight_map, files
+    if (path / SINGLE_FILE).is_file():
+        return None, [SINGLE_FILE]
+    raise CheckpointError(f"{path}: has neither {INDEX} nor {SINGLE_FILE}")
+
+
+def _read_headers(path: Path, files: list[str], weight_map: dict | None) -> dict[str, tuple[str, str, tuple]]:
+    """key -> (shard file, safetensors dtype, shape), from the headers alone (no tensor data is read)."""
+    tensors = {}
+    for name in files:
+        try:
+            with safe_open(path / name, framework="pt") as f:
+                header = {key: (f.get_slice(key).get_dtype(), tuple(f.get_slice(key).get_shape())) for key in f.keys()}
+        except Exception as e:  # safetensors' own error type: bad header, offsets past the end of a short file
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{path / name}: corrupt or truncated safetensors file ({message})") from None
+        for key, (dtype, shape) in header.items():
+            if key in tensors:
+                raise CheckpointError(f"{key}: stored twice, in {tensors[key][0]} and {name}")
+            tensors[key] = (name, dtype, shape)
+    for key, name in (weight_map or {}).items():
+        if tensors.get(key, (None,))[0] != name:
+            raise CheckpointError(f"{key}: {INDEX} puts it in {name}, which does not hold it")
+    return tensors
+
+
+@dataclass
+class _Plan:
+    prefix: str
+    expert_layout: str
+    reads: dict  # checkpoint key -> (parameter name, expert index or None, "gate" | "up" | "down" | None)
+    skipped: dict
+
+
+def _param_name(key: str, prefix: str) -> str | None:
+    if key.startswith("lm_head."):
+        return key
+    name = key[len(prefix) :] if key.startswith(prefix) else None
+    return None if name is None or name.startswith("lm_head.") else name
+
+
+def _plan(cfg: ModelConfig, tensors: dict, dtype: torch.dtype) -> _Plan:
+    """Map every checkpoint key to its parameter (or a skipped prefix) and check names, shapes and dtypes."""
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Qwen35MoE(cfg).named_parameters()}
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    prefix = MULTIMODAL_PREFIX if any(k.startswith(MULTIMODAL_PREFIX) for k in tensors) else TEXT_PREFIX
+    skipped = dict.fromkeys(SKIPPED_PREFIXES, 0)
+    reads, unexpected = {}, []
+    for key in tensors:
+        kind = next((kind for kind, p in SKIPPED_PREFIXES.items() if key.startswith(p)), None)
+        name = _param_name(key, prefix)
+        expert = PER_EXPERT_KEY.fullmatch(name or "")
+        if kind:
+            skipped[kind] += 1
+        elif name in shapes:
+            reads[key] = (name, None, None)
+        elif expert and int(expert[1]) < cfg.num_hidden_layers and int(expert[2]) < E:
+            fused = "down_proj" if expert[3] == "down" else "gate_up_proj"
+            reads[key] = (f"layers.{expert[1]}.mlp.experts.{fused}", int(expert[2]), expert[3])
+        else:
+            unexpected.append(key)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {tensors[unexpected[0]][0]}{more}")
+
+    for key, (name, expert, part) in reads.items():
+        file, stored_dtype, shape = tensors[key]
+        want = shapes[name] if expert is None else (H, I) if part == "down" else (I, H)
+        if shape != want:
+            raise CheckpointError(f"{key}: shape {list(shape)} in {file}, expected {list(want)}")
+        if stored_dtype not in CASTABLE_DTYPES:
+            raise CheckpointError(f"{key}: dtype {stored_dtype} in {file} cannot be cast to {dtype}")
+
+    pieces: dict[str, set] = {}
+    for name, expert, part in reads.values():
+        pieces.setdefault(name, set()).add((expert, part))
+    missing = []
+    for name in shapes:
+        have = pieces.get(name, set())
+        key = name if name.startswith("lm_head.") else prefix + name
+        if (None, None) in have and len(have) > 1:
+            raise CheckpointError(f"{key}: stored both fused and per expert")
+        if not have:
+            missing.append(key)
+        elif (None, None) not in have:  # per expert: every part of every expert
+            parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
+            base = key.removesuffix("gate_up_proj").removesuffix("down_proj")
+            missing += [f"{base}{e}.{p}_proj.weight" for e in range(E) for p in parts if (e, p) not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more}")
+
+    layouts = {"fused" if expert is None else "per_expert" for name, expert, _ in reads.values() if ".experts." in name}
+    layout = layouts.pop() if len(layouts) == 1 else "mixed"
+    return _Plan(prefix, layout, reads, skipped)
+
+
+@torch.no_grad()
+def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bool) -> None:
+    """Copy every planned tensor into its parameter (or one expert's rows of a fused one), shard by shard."""
+    params = dict(model.named_parameters())
+    I = model.config.moe_intermediate_size
+    by_file: dict[str, list] = {}
+    for key, target in plan.reads.items():
+        by_file.setdefault(tensors[key][0], []).append((key, *target))
+    bar = tqdm(total=len(plan.reads), desc="load weights", unit="tensor", disable=not progress)
+    for file, reads in by_file.items():
+        with safe_open(path / file, framework="pt") as f:  # memory-mapped: pages are read as each tensor is copied
+            for key, name, expert, part in reads:
+                dest = params[name] if expert is None else params[name][expert]
+                dest = dest[:I] if part == "gate" else dest[I:] if part == "up" else dest
+                try:
+                    dest.copy_(f.get_tensor(key).to(dest.device))  # moved in its stored dtype, cast on the device
+                except Exception as e:
+                    raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
+                bar.update()
+    bar.close()
+
+
+def _status_bytes(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field_name)
+
+
+def _reset_peak_rss() -> str:
+    """Reset the kernel's RSS high-water mark (Linux clear_refs 5) so the peak measured is the load's own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return "load"
+    except OSError:
+        return "process"
+
+
+def _peak_rss() -> int:
+    try:
+        return _status_bytes("VmHWM")
+    except (OSError, KeyError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _current_rss() -> int:
+    try:
+        return _status_bytes("VmRSS")
+    except (OSError, KeyError):
+        return 0
+
+
+def _sha256_file(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_hashes(path, shard_files: list[str], shard_identity: str = "size+mtime") -> dict[str, str]:
+    """sha256 of the config files' content and of each shard's identity (see CheckpointInfo.shard_identity)."""
+    path = Path(path)
+    if shard_identity not in SHARD_IDENTITIES:
+        raise ValueError(f"shard_identity must be one of {SHARD_IDENTITIES}, got {shard_identity!r}")
+    hashes = {name: _sha256_file(path / name) for name in (CONFIG, GENERATION_CONFIG, INDEX) if (path / name).is_file()}
+    for name in shard_files:
+        if shard_identity == "sha256":
+            hashes[name] = _sha256_file(path / name)
+        else:
+            stat = (path / name).stat()
+            hashes[name] = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return hashes
+
+
+def load_checkpoint(
+    path,
+    *,
+    dtype: torch.dtype,
+    device,
+    arch_overrides: dict | None = None,
+    progress: bool = False,
+    shard_identity: str = "size+mtime",
+) -> tuple[Qwen35MoE, CheckpointInfo]:
+    """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors.
+
+    Raises CheckpointError before any weight is copied for a bad config, missing/unexpected tensors, wrong shapes,
+    uncastable dtypes, corrupt or truncated shards and index entries naming absent shards."""
+    start = time.perf_counter()
+    rss_scope = _reset_peak_rss()
+    start_rss = _current_rss()
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    cfg = read_config(path, arch_overrides)
+    weight_map, files = _shard_files(path)
+    tensors = _read_headers(path, files, weight_map)
+    plan = _plan(cfg, tensors, dtype)
+    hashes = file_hashes(path, files, shard_identity)
+
+    model = build_model(cfg, dtype, device, seed=None)
+    _fill(model, path, plan, tensors, progress)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+    info = CheckpointInfo(
+        path=str(path.resolve()),
+        prefix=plan.prefix,
+        expert_layout=plan.expert_layout,
+        num_tensors=len(plan.reads),
+        skipped=plan.skipped,
+        eos_token_ids=cfg.eos_token_ids,
+        load_seconds=time.perf_counter() - start,
+        start_rss_bytes=start_rss,
+        peak_rss_bytes=_peak_rss(),
+        peak_rss_scope=rss_scope,
+        file_hashes=hashes,
+        shard_identity=shard_identity,
+        weights_id=hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest(),
+        tokenizer_path=str(path / TOKENIZER) if (path / TOKENIZER).is_file() else None,
+    )
+    return model, info

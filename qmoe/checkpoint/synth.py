@@ -1,0 +1,232 @@
+"""Write random Qwen3.5-MoE checkpoints in the published Hugging Face layout, and a small byte-level BPE tokenizer.
+
+    python -m qmoe.checkpoint.synth model=qwen35_moe layers=4 out=DIR [seed=0] [dtype=bfloat16]
+        [expert_layout=fused|per_expert] [prefix=model.language_model.|model.] [shard_gb=5] [device=cpu]
+        [tokenizer=false] [config_dir=configs]
+
+`model=` names <config_dir>/model/<name>.yaml, composed through Hydra; its `arch:` holds the ModelConfig fields.
+`tokenizer=true` also writes a small byte-level BPE tokenizer.json with Qwen's special tokens.
+The weights are those of build_model(cfg, dtype, device, seed): a checkpoint written here loads into a model
+equal to that one. The model is built once on `device`; shards are written one at a time (host RAM holds at most
+one shard's copy when device is a GPU, none when it is the CPU).
+"""
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tqdm import tqdm
+
+from qmoe.checkpoint.loader import CONFIG, GENERATION_CONFIG, INDEX, MULTIMODAL_PREFIX, TEXT_PREFIX, TOKENIZER
+from qmoe.checkpoint.tokenizer import TOKENIZER_CONFIG, special_token_ids
+from qmoe.model.config import ModelConfig
+from qmoe.model.qwen35_moe import Qwen35MoE, build_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXPERT_LAYOUTS = ("fused", "per_expert")
+SAMPLE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Qwen answers in ChatML, thinking first.",
+    "Mixture-of-experts models route every token to a few experts.",
+    "naïve café, 東京, Ωmega: bytes cover every character.",
+)
+
+
+def checkpoint_tensors(model: Qwen35MoE, expert_layout: str, prefix: str):
+    """(checkpoint key, tensor) for every weight of `model` in the given layout (per-expert tensors are views)."""
+    I = model.config.moe_intermediate_size
+    for name, p in model.named_parameters():
+        key = name if name.startswith("lm_head.") else prefix + name
+        if expert_layout == "per_expert" and name.endswith("mlp.experts.gate_up_proj"):
+            base = key.removesuffix("gate_up_proj")
+            for e in range(p.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", p[e, :I]
+                yield f"{base}{e}.up_proj.weight", p[e, I:]
+        elif expert_layout == "per_expert" and name.endswith("mlp.experts.down_proj"):
+            base = key.removesuffix("down_proj")
+            for e in range(p.shape[0]):
+                yield f"{base}{e}.down_proj.weight", p[e]
+        else:
+            yield key, p
+
+
+def write_configs(cfg: ModelConfig, out: Path, prefix: str, dtype: torch.dtype) -> None:
+    """config.json (multimodal `qwen3_5_moe` wrapper for the multimodal prefix, `qwen3_5_moe_text` otherwise) and
+    generation_config.json, with EOS split between them as in the Qwen3.5 releases."""
+    special = special_token_ids(cfg.vocab_size)
+    endoftext, im_end = special["<|endoftext|>"], special["<|im_end|>"]
+    text = dataclasses.replace(cfg, eos_token_ids=(endoftext,)).to_hf_text_config()
+    dtype_name = str(dtype).removeprefix("torch.")
+    if prefix == MULTIMODAL_PREFIX:
+        config = {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "text_config": {**text, "dtype": dtype_name},
+            "tie_word_embeddings": False,
+        }
+    else:
+        config = {"architectures": ["Qwen3_5MoeForCausalLM"], **text, "dtype": dtype_name}
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"eos_token_id": [endoftext, im_end], "do_sample": False}
+    (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def save_model(
+    model: Qwen35MoE,
+    out,
+    *,
+    expert_layout: str = "fused",
+    prefix: str = MULTIMODAL_PREFIX,
+    shard_bytes: int = 5 * 10**9,
+    progress: bool = False,
+) -> Path:
+    """Write `model`'s weights as safetensors shards of <= shard_bytes (a larger single tensor gets its own shard),
+    model.safetensors.index.json, config.json and generation_config.json."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if prefix not in (MULTIMODAL_PREFIX, TEXT_PREFIX):
+        raise ValueError(f"prefix must be {MULTIMODAL_PREFIX!r} or {TEXT_PREFIX!r}, got {prefix!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, size = [[]], 0
+    for key, tensor in checkpoint_tensors(model, expert_layout, prefix):
+        if shards[-1] and size + tensor.nbytes > shard_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append((key, tensor))
+        size += tensor.nbytes
+    weight_map = {}
+    for i, shard in enumerate(tqdm(shards, desc="write shards", disable=not progress)):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {key: t.to("cpu") for key, t in shard}  # no copy on the CPU; per-expert views do not overlap
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    total = sum(t.nbytes for shard in shards for _, t in shard)
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    write_configs(model.config, out, prefix, model.dtype)
+    return out
+
+
+def write_checkpoint(
+    cfg: ModelConfig,
+    out,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    expert_layout: str = "fused",
+    prefix: str = MULTIMODAL_PREFIX,
+    shard_bytes: int = 5 * 10**9,
+    device="cpu",
+    progress: bool = False,
+) -> Path:
+    """A random checkpoint holding the weights of build_model(cfg, dtype, device, seed), in the published layout."""
+    model = build_model(cfg, dtype, device, seed=seed, progress=progress)
+    return save_model(
+        model, out, expert_layout=expert_layout, prefix=prefix, shard_bytes=shard_bytes, progress=progress
+    )
+
+
+def write_tokenizer(out, vocab_size: int, texts=SAMPLE_TEXTS) -> Path:
+    """tokenizer.json + tokenizer_config.json: a byte-level BPE (NFC, no BOS, like Qwen's) trained on `texts`,
+    with Qwen's special tokens at special_token_ids(vocab_size) (eos_token `<|im_end|>`)."""
+    special = special_token_ids(vocab_size)
+    if min(special.values()) < 256:
+        raise ValueError(f"vocab_size {vocab_size} cannot hold the 256 byte tokens and {len(special)} special tokens")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(special.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    data = json.loads(tokenizer.to_str())
+    # `tokenizers` appends added tokens after the vocabulary; placing them in the vocabulary pins their ids.
+    data["model"]["vocab"].update(special)
+    data["added_tokens"] = [
+        {
+            "id": token_id,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": token not in ("<think>", "</think>"),  # as in Qwen's tokenizer: think tags survive decoding
+        }
+        for token, token_id in special.items()
+    ]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TOKENIZER).write_text(json.dumps(data, ensure_ascii=False) + "\n")
+    (out / TOKENIZER_CONFIG).write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}, indent=2) + "\n")
+    return out / TOKENIZER
+
+
+def model_config(name: str, layers: int | None = None, config_dir=REPO_ROOT / "configs") -> ModelConfig:
+    """ModelConfig of configs/model/<name>.yaml (its `arch:`), composed by Hydra; `layers` keeps the first layers."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+        composed = compose(overrides=[f"+model={name}"])
+    arch = OmegaConf.to_container(composed.model.arch, resolve=True)
+    if layers:
+        arch["num_hidden_layers"] = layers
+        types = arch.pop("layer_types", None)
+        if types and layers <= len(types):
+            arch["layer_types"] = types[:layers]  # else rebuilt from full_attention_interval
+    return ModelConfig.from_dict(arch)
+
+
+USAGE = __doc__.split("\n\n")[1]
+DEFAULTS = {
+    "layers": "0",
+    "seed": "0",
+    "dtype": "bfloat16",
+    "expert_layout": "fused",
+    "prefix": MULTIMODAL_PREFIX,
+    "shard_gb": "5",
+    "device": "cpu",
+    "tokenizer": "false",
+    "config_dir": str(REPO_ROOT / "configs"),
+}
+
+
+def main(argv: list[str]) -> None:
+    args = dict(DEFAULTS)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in {"model", "out", *DEFAULTS}:
+            sys.exit(f"unknown argument {arg!r}\nusage:{USAGE}")
+        args[key] = value
+    if "model" not in args or "out" not in args:
+        sys.exit(f"model= and out= are required\nusage:{USAGE}")
+    dtype = getattr(torch, args["dtype"], None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        sys.exit(f"dtype={args['dtype']}: not a torch floating-point dtype")
+    cfg = model_config(args["model"], int(args["layers"]) or None, args["config_dir"])
+    start = time.perf_counter()
+    out = write_checkpoint(
+        cfg,
+        args["out"],
+        seed=int(args["seed"]),
+        dtype=dtype,
+        expert_layout=args["expert_layout"],
+        prefix=args["prefix"],
+        shard_bytes=int(float(args["shard_gb"]) * 10**9),
+        device=args["device"],
+        progress=True,
+    )
+    if args["tokenizer"].lower() in ("true", "1", "yes"):
+        write_tokenizer(out, cfg.vocab_size)
+    total = json.loads((out / INDEX).read_text())["metadata"]["total_size"]
+    print(f"wrote {out} ({total / 1e9:.2f} GB, {cfg.num_hidden_layers} layers) in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
