@@ -41,8 +41,9 @@ def hf_key(name: str) -> str:
 
 
 @torch.no_grad()
-def to_transformers(model: Qwen35MoE, attn_implementation: str = "eager"):
-    """A Qwen3_5MoeForCausalLM holding the same weights as `model` (copied), on model's device and dtype."""
+def to_transformers(model: Qwen35MoE, attn_implementation: str = "eager", share_weights: bool = False):
+    """A Qwen3_5MoeForCausalLM holding the same weights as `model`, on model's device and dtype: copied, or with
+    `share_weights` the very same tensors (both layouts agree), so a 35B model is not held twice."""
     causal_lm, text_config = transformers_qwen35_moe()
     config = text_config(**model.config.to_hf_text_config())
     config._attn_implementation = attn_implementation
@@ -55,7 +56,10 @@ def to_transformers(model: Qwen35MoE, attn_implementation: str = "eager"):
     if missing:
         raise KeyError(f"transformers expects tensors qmoe has no counterpart for: {sorted(missing)[:5]}")
     for name, p in ours.items():
-        hf_state[hf_key(name)].copy_(p)
+        if share_weights:
+            hf.get_parameter(hf_key(name)).data = p.data
+        else:
+            hf_state[hf_key(name)].copy_(p)
     # Non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty.
     rotary = hf.model.rotary_emb
     inv_freq, _ = rotary.compute_default_rope_parameters(config, device=model.device)

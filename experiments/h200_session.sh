@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
+# and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
+# Stages: env, gpu_tests, tune_moe, bench_moe, bench_sampling, bench_gdn, bench_attention, bench_norm,
+#         bench_checkpoint, runtime, e2e.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/qmoe_out}
+mkdir -p "$OUT" results
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+log="$OUT/session.log"
+status=()
+run_stage() {
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$log"
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  status+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+}
+for stage in "$@"; do
+  case $stage in
+    env) run_stage env python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
+    gpu_tests) run_stage gpu_tests python3 -m pytest -q -m gpu -x --timeout 300 tests ;;
+    tune_moe) run_stage tune_moe python3 experiments/tune_moe.py ;;
+    bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ;;
+    bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py ;;
+    bench_gdn) run_stage bench_gdn python3 experiments/bench_gdn.py ;;
+    bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;
+    bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
+    bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
+    runtime) run_stage runtime python3 experiments/runtime_acceptance.py ;;
+    e2e) run_stage e2e python3 experiments/bench_e2e.py ;;
+    *) echo "unknown stage $stage" | tee -a "$log" ;;
+  esac
+done
+tar czf "$OUT/results.tar.gz" results kernels/moe/configs 2>/dev/null
+printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
+tail -c 6000 "$log"
+printf '%s\n' "${status[@]}"
