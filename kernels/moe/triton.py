@@ -83,13 +83,15 @@ def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + row * E + offs_e, mask=offs_e < E, other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, 0))
     probs = probs / tl.sum(probs, 0)
-    offs_k = tl.arange(0, triton.next_power_of_2(TOP_K))
+    offs_k = tl.arange(0, BLOCK_TOP)
     top_w = tl.zeros(offs_k.shape, tl.float32)
     top_ids = tl.zeros(offs_k.shape, tl.int64)
     for k in tl.static_range(TOP_K):  # top-k by repeated argmax; probabilities are >= 0, taken ones become -1
@@ -109,7 +111,8 @@ def _route_op(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     weights = torch.empty(M, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
     if M:
-        _route_kernel[(M,)](logits, weights, ids, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E))
+        BLOCK_TOP, BLOCK_E = triton.next_power_of_2(top_k), triton.next_power_of_2(E)
+        _route_kernel[(M,)](logits, weights, ids, E, TOP_K=top_k, BLOCK_TOP=BLOCK_TOP, BLOCK_E=BLOCK_E)
     return weights, ids
 
 
@@ -155,7 +158,7 @@ def _align_offsets_kernel(
         tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < num_blocks)
     for s0 in range(0, num_blocks * BLOCK_M, BLOCK):  # padding rows point at pair P: masked out by the GEMMs
         offs_s = s0 + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + offs_s, tl.full((BLOCK,), P, tl.int32), mask=offs_s < num_blocks * BLOCK_M)
+        tl.store(sorted_ptr + offs_s, tl.zeros((BLOCK,), tl.int32) + P, mask=offs_s < num_blocks * BLOCK_M)
 
 
 @triton.jit
