@@ -13,6 +13,7 @@ from qmoe.metrics.logging import log_wandb, write_results
 from qmoe.metrics.measure import environment, latency_stats, peak_memory, reset_peak_memory
 from qmoe.model import ModelConfig, Qwen35MoE, build_model
 from qmoe.prompts import build_prompts, check_fits
+from qmoe.runtime.combos import combination_error, resolve_cuda_graph
 from qmoe.runtime.generate import ReferenceRunner, generate
 from qmoe.runtime.ledger import TransferLedger
 from qmoe.settings import ConfigError, Settings, validate
@@ -58,9 +59,45 @@ def get_model(cfg: DictConfig, s: Settings, progress: bool) -> tuple[Qwen35MoE, 
 
 
 def make_runner(s: Settings, model: Qwen35MoE, cfg: DictConfig, ledger: TransferLedger):
+    """reference: the eager model; host / cuda_native: the program exported under cfg.export (exported once per
+    process and method split, see qmoe.runtime.executor). Invalid combinations are a one-line ConfigError."""
+    has_cuda = s.device.type == "cuda"
+    planning = bool(OmegaConf.select(cfg, "export.device_memory_planning", default=False))
+    split = OmegaConf.select(cfg, "export.method_split", default="split")
+    try:
+        graphs = resolve_cuda_graph(
+            OmegaConf.select(cfg, "runtime.cuda_graph", default=False), s.runtime, planning, has_cuda
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    error = combination_error(s.runtime, split, planning, graphs, has_cuda)
+    if error is not None:
+        raise ConfigError(error)
     if s.runtime == "reference":
         return ReferenceRunner(model, s.sampling, s.batch_size, ledger)
-    raise ConfigError(f"runtime: {s.runtime} is not available in this build")
+    from qmoe.export import ExportSettings
+    from qmoe.runtime.cuda_native import CudaNativeRunner
+    from qmoe.runtime.executor import build_program
+    from qmoe.runtime.host import HostRunner
+
+    program = build_program(model, ExportSettings.from_cfg(cfg.export), s.batch_size, s.max_seq_len)
+    runner = HostRunner if s.runtime == "host" else CudaNativeRunner
+    return runner(program, model, s.sampling, s.batch_size, ledger, cuda_graph=graphs)
+
+
+def runtime_setup(runner) -> dict:
+    """What produced the transfers: runner, CUDA graphs, export preset and split, the plan's copy nodes."""
+    program = getattr(runner, "program", None)
+    setup = {"runtime": runner.name, "cuda_graph": bool(getattr(runner, "graphs", None))}
+    if program is not None:
+        setup.update(
+            preset=program.settings.preset,
+            method_split=program.settings.method_split,
+            delegate_device=program.delegate_device,
+            copy_nodes=program.plan.copies,
+            arena_bytes=program.plan.arenas,
+        )
+    return setup
 
 
 def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress: bool = False) -> dict:
@@ -102,7 +139,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress:
             "text": [tokenizer.decode(t) for t in gen.tokens] if tokenizer is not None else None,
         },
         "latency": latency_stats(gen.ttft_ms, gen.decode_ms, gen.decode_tokens, warmup_ms),
-        "transfers": ledger.summary(gen.decode_tokens),
+        "transfers": {**ledger.summary(gen.decode_tokens), "setup": runtime_setup(runner)},
         "memory": peak_memory(),
         "environment": environment(s.device),
     }

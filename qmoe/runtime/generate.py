@@ -64,6 +64,8 @@ class ReferenceRunner:
     @torch.no_grad()
     def start(self, prompt: torch.Tensor) -> torch.Tensor:
         self.model.reset_caches()
+        self.ledger.at("prefill", 0)
+        self.decode_steps = 0
         B, L = prompt.shape
         input_pos = torch.zeros(B, dtype=torch.int64, device=self.device)
         logits = self.model(self._to_device(prompt), input_pos)
@@ -72,6 +74,8 @@ class ReferenceRunner:
 
     @torch.no_grad()
     def step(self, forced: torch.Tensor | None) -> torch.Tensor:
+        self.decode_steps += 1
+        self.ledger.at("decode", self.decode_steps)
         token = self.last
         if forced is not None:
             forced = self._to_device(forced)

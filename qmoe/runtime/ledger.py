@@ -38,16 +38,26 @@ class TransferLedger:
         self.transfers.clear()
 
     def summary(self, decode_tokens: int) -> dict:
-        """Counts and bytes per phase x method x direction, and per generated token in decode."""
+        """Counts and bytes per phase x method x direction; prefill totals; decode per generated token, in all and
+        per method (decode_tokens: the tokens produced by decode steps, all rows)."""
         per = defaultdict(lambda: {"count": 0, "bytes": 0})
         for t in self.transfers:
             for key in (f"{t.phase}/{t.method}/{t.direction}", f"{t.phase}/all/{t.direction}"):
                 per[key]["count"] += 1
                 per[key]["bytes"] += t.nbytes
-        out = {"measured": True, "by_phase_method_direction": dict(per)}
-        decode = {d: per.get(f"decode/all/{d}", {"count": 0, "bytes": 0}) for d in DIRECTIONS}
+        zero = {"count": 0, "bytes": 0}
+        out = {
+            "measured": True,
+            "by_phase_method_direction": dict(per),
+            "prefill": {d: per.get(f"prefill/all/{d}", zero) for d in DIRECTIONS},
+        }
         if decode_tokens > 0:
+            methods = sorted({t.method for t in self.transfers if t.phase == "decode"})
             out["per_decode_token"] = {
-                d: {"count": v["count"] / decode_tokens, "bytes": v["bytes"] / decode_tokens} for d, v in decode.items()
+                d: {k: v / decode_tokens for k, v in per.get(f"decode/all/{d}", zero).items()} for d in DIRECTIONS
+            }
+            out["per_decode_token_by_method"] = {
+                m: {d: {k: v / decode_tokens for k, v in per.get(f"decode/{m}/{d}", zero).items()} for d in DIRECTIONS}
+                for m in methods
             }
         return out

@@ -1,0 +1,89 @@
+"""The `cuda_native` runner: the loop state lives where the program takes it, and sampling runs in the program.
+
+Tokens, positions and sampling parameters are written once into the methods' planned input buffers and stay
+there: the positions and the sampler's step advance in place (`add_`), the sampled token is fed from the
+sample output buffer straight into the next step's token buffer, and logits go from `forward` to `sample`
+without the runner touching them. Which of those buffers sit on the GPU is the export preset's choice: with
+copy_elided all of them do, and the only per-step transfer is the token ids read back (8 bytes per row) for
+EOS checks and streaming; with device_planned / baseline the method boundaries are on the host and the copy
+nodes / the delegate move them every call. Splits: split (forward + sample) or fused (prefill + decode).
+The config refuses it without CUDA (settings.validate); the class itself runs the same loop on a CPU delegate,
+which is how the CPU tests check its tokens.
+"""
+
+import torch
+
+from qmoe.export import SAMPLING_NAMES
+from qmoe.runtime.executor import ProgramRunner
+from qmoe.settings import ConfigError, SamplingSettings
+
+
+class CudaNativeRunner(ProgramRunner):
+    name = "cuda_native"
+
+    def __init__(self, program, model, sampling: SamplingSettings, batch, ledger, cuda_graph: bool = True):
+        self.split = program.settings.method_split
+        if self.split not in ("split", "fused"):
+            raise ConfigError(
+                "runtime: cuda_native samples on the device inside the program (export.method_split=split or "
+                f"fused); {self.split} leaves sampling to the host (use runtime=host)"
+            )
+        # prefill-phase and decode-phase method of each split: they read the same or their own input buffers
+        self.first, self.next = ("forward", "forward") if self.split == "split" else ("prefill", "decode")
+        super().__init__(program, model, batch, ledger, cuda_graph, graphed=sorted({self.next, *self._samplers}))
+        values = {name: getattr(sampling, name) for name in SAMPLING_NAMES if name != "step"}
+        for method in self._samplers:  # constants: filled in place once (a fill kernel, nothing is copied)
+            for name, value in values.items():
+                self.methods[method].input_buffer(name).fill_(value)
+
+    @property
+    def _samplers(self) -> tuple[str, ...]:
+        return ("sample",) if self.split == "split" else ("prefill", "decode")
+
+    def _inputs(self, method: str, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [B, T], input_pos [B], step [B]) planned buffers of the step that runs `method`."""
+        m = self.methods[method]
+        sampler = self.methods["sample"] if self.split == "split" else m
+        return m.input_buffer("tokens", (self.batch, T)), m.input_buffer("input_pos"), sampler.input_buffer("step")
+
+    def _run(self, method: str, tokens, input_pos, step) -> torch.Tensor:
+        """One forward + sample over the bound buffers -> the token ids [B] in their planned output buffer."""
+        if self.split == "fused":
+            m = self.methods[method]
+            params = [m.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
+            (token,) = m(tokens, input_pos, *params, step, ledger=self.ledger)
+            return token
+        (logits,) = self.methods["forward"](tokens, input_pos, ledger=self.ledger)
+        sample = self.methods["sample"]
+        logits_in = self.put("sample", sample.input_buffer("logits"), logits)
+        params = [sample.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
+        (token,) = sample(logits_in, *params, step, ledger=self.ledger)
+        return token
+
+    @torch.no_grad()
+    def start(self, prompt: torch.Tensor) -> torch.Tensor:
+        self.begin_prefill()
+        L = prompt.shape[1]
+        tokens, input_pos, step = self._inputs(self.first, L)
+        self.put(self.first, tokens, prompt)
+        input_pos.zero_()
+        step.fill_(L - 1)
+        self.token = self._run(self.first, tokens, input_pos, step)
+        if self.split == "fused":  # decode reads its own buffers: set them to the first decode position
+            _, input_pos, step = self._inputs(self.next, 1)
+            step.fill_(L)
+            input_pos.fill_(L)
+        else:
+            input_pos.add_(L)
+            step.add_(1)
+        return self.read_back("sample" if self.split == "split" else self.first, self.token)
+
+    @torch.no_grad()
+    def step(self, forced: torch.Tensor | None) -> torch.Tensor:
+        self.begin_decode()
+        tokens, input_pos, step = self._inputs(self.next, 1)
+        self.feed(self.next, tokens.view(self.batch), self.token, forced)
+        self.token = self._run(self.next, tokens, input_pos, step)
+        input_pos.add_(1)
+        step.add_(1)
+        return self.read_back("sample" if self.split == "split" else self.next, self.token)
