@@ -6,7 +6,9 @@ keys 0..pos of its row, and a reduction over the splits by log-sum-exp. The spli
 static cache length (CUDA-graph safe); each split finds its own key range from the row's position and
 an empty split exits at once. The new K/V is written into the cache by the program that owns `pos`, and
 that program takes key `pos` from the input instead of the cache, so no launch orders the write.
-T > 1 (prefill) stays on the naive torch path (SDPA); experiments/bench_attention.py times it.
+T > 1 (prefill) writes the cache with torch indexing, then runs a causal flash-attention kernel per (query
+block, q head) whose key loop stops at the block's last position. (The torch path's masked GQA SDPA falls
+back to the math backend over all S cache slots; experiments/bench_attention.py times both.)
 
 Every op is a `torch.library.custom_op` with a fake (torch.export); the cache-writing one declares
 `mutates_args`. The `*_into` launchers write into caller-given outputs (tests poison them).
@@ -15,8 +17,6 @@ Every op is a `torch.library.custom_op` with a fake (torch.export); the cache-wr
 import torch
 import triton
 import triton.language as tl
-
-from kernels.attention import naive
 
 BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 128
@@ -163,6 +163,51 @@ def _decode_reduce_kernel(
     )
 
 
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, scale_log2,
+    stride_qb, stride_qt, stride_qh, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+    stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+    T, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Flash attention of BLOCK_M query tokens of one q head over the (already written) cache: query t sees
+    keys 0..pos[t]; the key loop stops at the block's largest position (causal skipping)."""
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest key ranges first
+    b = tl.program_id(1).to(tl.int64) // HQ
+    head = tl.program_id(1) % HQ
+    kv_head = head // G
+    t = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    t_ok, d_ok = t < T, d < D
+    pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=t_ok, other=-1)  # [BLOCK_M]
+    rows_ok = t_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head * stride_qh + d[None, :], mask=rows_ok, other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+    k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
+    v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    last = tl.max(pos, axis=0)  # the block's last visible key
+    for n0 in range(0, last + 1, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = (n <= last)[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_row + n[:, None] * stride_kcs + d[None, :], mask=n_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_row + n[:, None] * stride_vcs + d[None, :], mask=n_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (t >= T) see no key at all
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out = (acc / tl.where(t_ok, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head * stride_oh + d[None, :], out, mask=rows_ok)
+
+
 def qk_norm_rope_into(q, k, q_weight, k_weight, positions, inv_freq, eps, q_out, k_out) -> None:
     """q_out, k_out (contiguous [B, T, H, D]) = qk_norm_rope(q, k, ...); q and k may be strided views."""
     B, T, HQ, D = q.shape
@@ -211,6 +256,26 @@ def decode_attention_into(q, k, v, k_cache, v_cache, positions, scale, out, o_pa
     )  # fmt: skip
 
 
+def prefill_attention_into(q, k, v, k_cache, v_cache, positions, scale, out) -> None:
+    """Any T: write k/v [B, T, HKV, D] into the caches at positions [B, T] (as naive does), then
+    out [B, T, HQ, D] = causal GQA attention of each query over keys 0..its position."""
+    B, T, HQ, D = q.shape
+    HKV = k_cache.shape[1]
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1 and out.stride(-1) == 1
+    batch = torch.arange(B, device=q.device)[:, None]  # [B, 1]
+    k_cache[batch, :, positions] = k.to(k_cache.dtype)
+    v_cache[batch, :, positions] = v.to(v_cache.dtype)
+    BLOCK_M, BLOCK_D = 64, max(triton.next_power_of_2(D), 16)
+    _prefill_kernel[(triton.cdiv(T, BLOCK_M), B * HQ)](
+        q, k_cache, v_cache, positions, out, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0), positions.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        T, HQ=HQ, G=HQ // HKV, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if D >= 256 else 4, num_stages=2,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("qmoe_attention::qk_norm_rope", mutates_args=())
 def _qk_norm_rope_op(
     q: torch.Tensor,
@@ -256,6 +321,26 @@ def _(q, k, v, k_cache, v_cache, positions, scale):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+@torch.library.custom_op("qmoe_attention::prefill_attention", mutates_args=("k_cache", "v_cache"))
+def _prefill_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    prefill_attention_into(q, k, v, k_cache, v_cache, positions, scale, out)
+    return out
+
+
+@_prefill_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, positions, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def qk_norm_rope(
     q: torch.Tensor,  # [B, T, Hq, D]
     k: torch.Tensor,  # [B, T, Hkv, D]
@@ -279,7 +364,7 @@ def attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal GQA attention of T new tokens over the cache (rows at their own positions) -> [B, T, Hq, D].
-    Decode (T == 1) runs the Triton flash-decoding kernels; prefill stays on torch SDPA."""
+    Decode (T == 1) runs the split-K flash-decoding kernels, prefill the causal flash-attention kernel."""
     if q.shape[1] == 1:
         return _decode_attention_op(q, k, v, k_cache, v_cache, positions, scale)
-    return naive.attention(q, k, v, k_cache, v_cache, positions, scale)
+    return _prefill_attention_op(q, k, v, k_cache, v_cache, positions, scale)

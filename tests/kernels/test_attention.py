@@ -85,10 +85,43 @@ def test_decode_attention_35b_heads(context):
     check_decode(1, 16, 2, 256, 512, [context - 1], splits, torch.float32, "cpu")
 
 
+def check_prefill(B, T, HQ, HKV, D, S, starts, dtype, device):
+    gen = torch.Generator().manual_seed(T + D)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)
+    q, k, v = randn(B, T, HQ, D), randn(B, T, HKV, D), randn(B, T, HKV, D)
+    k_cache, v_cache = randn(B, HKV, S, D), randn(B, HKV, S, D)  # slots before `starts` are earlier context
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    naive.attention(q, k, v, k_ref, v_ref, positions, D**-0.5)
+    ref = naive.attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), positions, D**-0.5)
+    out = poisoned(B, T, HQ, D, dtype=dtype, device=device)
+    tri.prefill_attention_into(q, k, v, k_cache, v_cache, positions, D**-0.5, out)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "B, T, starts",
+    [
+        (1, 65, [0]),  # a prompt from position 0, one query block plus a 1-token tail block
+        (3, 63, [0, 100, 5]),  # batch 3, rows continuing earlier context at different positions, T < BLOCK_M
+        (3, 1, [7, 0, 70]),  # a single token per row through the prefill kernel
+    ],
+)
+def test_prefill_attention(B, T, starts, dtype):
+    check_prefill(B, T, 4, 2, 32, 192, starts, dtype, "cpu")
+
+
+def test_prefill_attention_35b_heads():
+    """35B-A3B heads: 8 q heads per kv head, head dim 256."""
+    check_prefill(1, 20, 16, 2, 256, 64, [30], torch.float32, "cpu")
+
+
 @pytest.mark.parametrize("T", [1, 63, 65])
 def test_attention_through_public_op(T):
-    """attention(): decode (T == 1) through the kernels, prefill through SDPA; rows at different positions,
-    the caches written where naive writes them."""
+    """attention() dispatches T == 1 to the decode kernels and T > 1 to the prefill kernel; rows at
+    different positions, the caches written where naive writes them."""
     B, HQ, HKV, D, S = 3, 4, 2, 32, 160
     gen = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (HQ, HKV, HKV))
@@ -148,10 +181,10 @@ def greedy(model, tokens, steps):
 def test_tiny_model_greedy_matches_torch():
     """Tiny model in fp32: attention and norm kernels on triton give torch's greedy tokens (batch 2)."""
     model = build_model(TINY, torch.float32, "cpu", seed=1)
-    tokens = torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
-    ref_tokens, ref_logits = greedy(model, tokens, 8)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    ref_tokens, ref_logits = greedy(model, tokens, 5)
     model.set_kernels({"attention": "triton", "norm": "triton"})
-    tokens_tri, logits_tri = greedy(model, tokens, 8)
+    tokens_tri, logits_tri = greedy(model, tokens, 5)
     assert torch.equal(tokens_tri, ref_tokens)
     assert rel_err(logits_tri, ref_logits) < 1e-5
 
@@ -165,6 +198,13 @@ def test_decode_attention_gpu_35b(context, dtype):
     for positions in ([context - 1], [context - 1, context // 3, 0]):
         splits = tri.num_splits(len(positions), 2, S, torch.device("cuda"))
         check_decode(len(positions), 16, 2, 256, S, positions, splits, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T, starts", [(4096, [0]), (257, [0, 1000, 3000])])  # a long prompt; chunked, batch 3
+def test_prefill_attention_gpu_35b(T, starts, dtype):
+    check_prefill(len(starts), T, 16, 2, 256, 4096, starts, dtype, "cuda")
 
 
 @pytest.mark.gpu
