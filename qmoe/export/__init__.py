@@ -10,7 +10,8 @@ API (what the runtime builds on):
     program.settings, program.plan (ProgramPlan: arenas, allocations, copies), program.graphs (method graphs)
     program.save(directory, weights_identity)                # weights are not written: they stay the model's
     program = load_program(directory, model, weights_identity)   # ExportError on any mismatch
-    weights_identity(model_config, seed=..., checkpoint=...) -> dict
+    (weights_identity: any JSON dict naming the weights, e.g. the app's {"kind": "random", "seed", "arch"}
+    or the checkpoint's file hashes; load refuses one that differs from the saved one)
 
 Pipeline: methods.export_methods (torch.export per method, ops.traceable_ops for the reference ops that cannot
 be traced with a dynamic T) -> passes.lower_method (partition, propagate_devices, insert_copy_nodes,
@@ -24,6 +25,7 @@ device is not the model's (e.g. "cuda:0" on a CPU-only machine) is a plan only: 
 `python -m qmoe.export.inspect export=device_planned export.method_split=split` prints copy nodes and arenas.
 """
 
+from qmoe.export.artifact import load_program
 from qmoe.export.methods import INPUT_NAMES, OUTPUT_NAMES, SAMPLING_NAMES
 from qmoe.export.program import Method, Program, export_program
 from qmoe.export.settings import METHOD_SPLITS, PRESETS, ExportError, ExportSettings
@@ -39,4 +41,5 @@ __all__ = [
     "Method",
     "Program",
     "export_program",
+    "load_program",
 ]

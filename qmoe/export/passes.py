@@ -170,8 +170,9 @@ def remove_round_trips(gm: fx.GraphModule) -> fx.GraphModule:
             if is_copy(src) and src.target is d2h_copy and src.args[0].meta["qmoe_device"] == node.meta["qmoe_device"]:
                 node.replace_all_uses_with(src.args[0])
                 graph.erase_node(node)
-                if not src.users:
-                    graph.erase_node(src)
+    for node in reversed(list(graph.nodes)):
+        if is_copy(node) and not node.users:
+            graph.erase_node(node)
     graph.lint()
     return gm
 

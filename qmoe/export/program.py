@@ -199,10 +199,11 @@ class Program:
             for m, gm in self.graphs.items()
         }
 
-    def save(self, directory, weights_identity: dict) -> None:
-        from qmoe.export.artifact import save_program
+    def save(self, directory, weights_identity: dict):
+        """Write the self-describing program directory (see artifact.py) -> its Path."""
+        from qmoe.export.artifact import save_program  # artifact builds on Program
 
-        save_program(self, directory, weights_identity)
+        return save_program(self, directory, weights_identity)
 
 
 def export_program(model, settings: ExportSettings, batch_size: int, max_seq_len: int) -> Program:

@@ -1,0 +1,340 @@
+"""Export: methods per split, device propagation and copy nodes per preset, skip flags, exact execution on CPU.
+
+Devices are metadata here: tables use a pretend "cuda:0" delegate (a plan-only program); execution uses the
+model's device (the CPU), where copy nodes are no-ops that move nothing.
+"""
+
+import json
+import operator
+
+import pytest
+import torch
+from torch import fx
+
+from qmoe.export import METHOD_SPLITS, PRESETS, ExportError, ExportSettings, Program, export_program
+from qmoe.export.methods import export_methods
+from qmoe.export.passes import (
+    TensorSpec,
+    call_delegate,
+    d2h_copy,
+    h2d_copy,
+    is_copy,
+    remove_round_trips,
+)
+from qmoe.export.planning import ProgramPlan, Request, align
+from qmoe.model import ModelConfig, build_model
+from qmoe.runtime.ledger import TransferLedger
+from tests.compose import compose_config
+from tests.test_export_planning import assert_no_live_overlap
+from tests.test_model import TINY
+
+B, S, V = 2, 32, TINY["vocab_size"]  # batch rows, max_seq_len, vocab
+PRESET_FLAGS = {
+    "baseline": {},
+    "device_planned": {"device_memory_planning": True},
+    "copy_elided": {
+        "device_memory_planning": True,
+        "skip_h2d_for_method_inputs": True,
+        "skip_d2h_for_method_outputs": True,
+    },
+}
+
+
+def settings(preset: str, split: str, **kw) -> ExportSettings:
+    return ExportSettings(preset=preset, method_split=split, **{**PRESET_FLAGS[preset], **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = build_model(ModelConfig(**TINY), torch.float32, "cpu", seed=0)
+    model.setup_caches(B, S)
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(model):
+    """torch.export of each split, once: presets only change the passes and the plan, not the export."""
+    return {split: export_methods(model, split, B, S) for split in METHOD_SPLITS}
+
+
+def program(model, exported, preset, split, **kw) -> Program:
+    return Program(exported[split], model, settings(preset, split, **kw), B, S)
+
+
+# The sampling parameters enter as [B] tensors: 4 bytes per row for fp32, 8 for int64.
+SAMPLING_H2D = [
+    ("h2d", "temperature", B * 4),
+    ("h2d", "top_k", B * 8),
+    ("h2d", "top_p", B * 4),
+    ("h2d", "min_p", B * 4),
+    ("h2d", "seed", B * 8),
+    ("h2d", "step", B * 8),
+]
+PLANNED_FORWARD = [
+    ("h2d", "tokens", B * S * 8),  # dynamic T planned at max_seq_len
+    ("h2d", "input_pos", B * 8),
+    ("d2h", "delegate_logits", B * V * 4),  # logits leave the GPU ...
+]
+# (preset, method_split) -> {method: [(direction, tensor, bytes)]}; baseline and copy_elided have none.
+COPY_NODES = {
+    ("device_planned", "split"): {
+        "forward": PLANNED_FORWARD,
+        "sample": [("h2d", "logits", B * V * 4), *SAMPLING_H2D, ("d2h", "delegate_token", B * 8)],  # ... and return
+    },
+    ("device_planned", "fused"): {
+        "prefill": [
+            ("h2d", "tokens", B * S * 8),
+            ("h2d", "input_pos", B * 8),
+            *SAMPLING_H2D,
+            ("d2h", "delegate_token", B * 8),
+        ],
+        "decode": [
+            ("h2d", "tokens", B * 1 * 8),
+            ("h2d", "input_pos", B * 8),
+            *SAMPLING_H2D,
+            ("d2h", "delegate_token", B * 8),
+        ],
+    },
+    ("device_planned", "forward_only"): {"forward": PLANNED_FORWARD},
+}
+
+
+@pytest.mark.parametrize("split", METHOD_SPLITS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_copy_nodes_per_preset_and_split(model, exported, preset, split):
+    prog = program(model, exported, preset, split, delegate_device="cuda:0")
+    expected = COPY_NODES.get((preset, split), {m: [] for m in METHOD_SPLITS[split]})
+    assert set(prog.plan.copies) == set(expected)
+    for method, copies in prog.plan.copies.items():
+        assert [(c["direction"], c["tensor"], c["nbytes"]) for c in copies] == expected[method], method
+        for c in copies:
+            host_to_device = ("cpu", "cuda:0") if c["direction"] == "h2d" else ("cuda:0", "cpu")
+            assert (c["src_device"], c["dst_device"]) == host_to_device
+        graph = prog.graphs[method].graph
+        delegate = graph.find_nodes(op="call_function", target=call_delegate)[0]
+        assert delegate.meta["qmoe_device"] == "cuda:0"
+        # Planning off: no copy nodes, the delegate copies its host inputs in and outputs out itself.
+        assert delegate.meta["qmoe_self_copies"] == (preset == "baseline")
+        on_device = preset == "copy_elided"
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                assert node.meta["qmoe_device"] == ("cuda:0" if on_device else "cpu")
+        outputs = next(iter(graph.find_nodes(op="output"))).args[0]
+        assert [o.meta["qmoe_device"] for o in outputs] == ["cuda:0" if on_device else "cpu"] * len(outputs)
+        # every delegate input lives on its device when planning is on
+        if preset != "baseline":
+            assert all(a.meta["qmoe_device"] == "cuda:0" for a in delegate.args)
+
+
+def test_device_planned_arena_per_device(model, exported):
+    plan = program(model, exported, "device_planned", "split", delegate_device="cuda:0").plan
+    assert set(plan.arenas) == {"cpu", "cuda:0"}
+    # forward's device tensors and sample's never live at once: they share bytes
+    assert plan.arenas["cuda:0"] < plan.naive_bytes["cuda:0"]
+    assert set(program(model, exported, "baseline", "split", delegate_device="cuda:0").plan.arenas) == {"cpu"}
+    assert set(program(model, exported, "copy_elided", "split", delegate_device="cuda:0").plan.arenas) == {"cuda:0"}
+
+
+def test_per_method_skip_map_applies_only_to_its_method(model, exported):
+    prog = program(
+        model,
+        exported,
+        "device_planned",
+        "split",
+        delegate_device="cuda:0",
+        skip_d2h_for_method_outputs={"forward": True},
+        skip_h2d_for_method_inputs={"sample": True},
+    )
+    # logits stay on the device after forward and are read there by sample: no copy either way
+    assert [(c["direction"], c["tensor"]) for c in prog.plan.copies["forward"]] == [
+        ("h2d", "tokens"),
+        ("h2d", "input_pos"),
+    ]
+    assert [(c["direction"], c["tensor"]) for c in prog.plan.copies["sample"]] == [("d2h", "delegate_token")]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"skip_h2d_for_method_inputs": True},
+        {"skip_d2h_for_method_outputs": True},
+        {"skip_d2h_for_method_outputs": {"sample": True}},
+    ],
+)
+def test_skip_flags_need_planning(flags):
+    with pytest.raises(ExportError, match="needs export.device_memory_planning=true"):
+        ExportSettings(method_split="split", device_memory_planning=False, **flags)
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(ExportError, match="method_split"):
+        ExportSettings(method_split="both")
+    with pytest.raises(ExportError, match="not methods of method_split=fused"):
+        ExportSettings(method_split="fused", device_memory_planning=True, skip_h2d_for_method_inputs={"forward": 1})
+    # a map with planning off is fine when it skips nothing
+    assert not ExportSettings(skip_h2d_for_method_inputs={"forward": False}).skip_h2d("forward")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_compose(preset):
+    s = ExportSettings.from_cfg(compose_config(f"export={preset}", "export.method_split=fused").export)
+    assert (s.preset, s.method_split, s.delegate_device) == (preset, "fused", "auto")
+    assert s == settings(preset, "fused")
+
+
+def test_round_trips_removed():
+    """h2d(d2h(x)) on one device folds back to x; a d2h still used on the host stays."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    first = graph.call_function(call_delegate, (x,))
+    out = graph.call_function(operator.getitem, (first, 0))
+    down = graph.call_function(d2h_copy, (out,))
+    up = graph.call_function(h2d_copy, (down,))
+    second = graph.call_function(call_delegate, (up,))
+    result = graph.call_function(operator.getitem, (second, 0))
+    graph.output((result, down))
+    for node, device in [(x, "cuda:0"), (out, "cuda:0"), (down, "cpu"), (up, "cuda:0"), (result, "cuda:0")]:
+        node.meta["qmoe_device"] = device
+        node.meta["qmoe_spec"] = TensorSpec(node.name, (4,), "float32")
+    gm = remove_round_trips(fx.GraphModule(torch.nn.Module(), graph))
+    assert second.args == (out,)
+    assert [n.target for n in gm.graph.nodes if is_copy(n)] == [d2h_copy]  # the method output keeps its d2h
+    graph.erase_node(next(iter(graph.find_nodes(op="output"))))
+    graph.output((result,))
+    remove_round_trips(gm)
+    assert not [n for n in gm.graph.nodes if is_copy(n)]
+
+
+SAMPLING_ARGS = {
+    "temperature": torch.zeros(B),
+    "top_k": torch.zeros(B, dtype=torch.int64),
+    "top_p": torch.ones(B),
+    "min_p": torch.zeros(B),
+    "seed": torch.zeros(B, dtype=torch.int64),
+}
+
+
+def greedy_sampling(step: int) -> tuple[torch.Tensor, ...]:
+    return (*SAMPLING_ARGS.values(), torch.full((B,), step, dtype=torch.int64))
+
+
+def run_eager(model, prompt, steps):
+    """(logits per step, tokens per step) of the eager model: prefill, then `steps` decode steps."""
+    model.reset_caches()
+    logits, tokens = [], []
+    x, pos = prompt, torch.zeros(B, dtype=torch.int64)
+    for step in range(steps + 1):
+        out = model(x, pos)
+        tok = model.sample(out, *greedy_sampling(step))
+        logits.append(out)
+        tokens.append(tok)
+        pos = pos + x.shape[1]
+        x = tok[:, None]
+    return logits, tokens
+
+
+def run_program(prog, model, prompt, steps, ledger):
+    model.reset_caches()  # the program's caches are the model's buffers
+    logits, tokens = [], []
+    x, pos = prompt, torch.zeros(B, dtype=torch.int64)
+    m = prog.methods
+    for step in range(steps + 1):
+        if "decode" in m:
+            (tok,) = (m["prefill"] if step == 0 else m["decode"])(x, pos, *greedy_sampling(step), ledger=ledger)
+        else:
+            (out,) = m["forward"](x, pos, ledger=ledger)
+            logits.append(out.clone())
+            if "sample" in m:
+                (tok,) = m["sample"](out, *greedy_sampling(step), ledger=ledger)
+            else:  # forward_only: the runner samples on the host
+                tok = model.sample(out, *greedy_sampling(step))
+        tokens.append(tok.clone())
+        pos = pos + x.shape[1]
+        x = tokens[-1][:, None]
+    return logits, tokens
+
+
+@pytest.mark.parametrize("split", METHOD_SPLITS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_methods_reproduce_eager_exactly(model, exported, preset, split):
+    prog = program(model, exported, preset, split)
+    assert prog.delegate_device == "cpu" and prog.executable
+    prompt = torch.randint(0, V, (B, 5), generator=torch.Generator().manual_seed(1))
+    eager_logits, eager_tokens = run_eager(model, prompt, steps=3)
+    ledger = TransferLedger()
+    logits, tokens = run_program(prog, model, prompt, 3, ledger)
+    for got, want in zip(tokens, eager_tokens, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(logits, eager_logits if logits else [], strict=not logits == []):
+        assert torch.equal(got, want)
+    assert ledger.transfers == []  # a CPU delegate moves no bytes: copy nodes and delegate copies are no-ops
+
+
+def test_buffers_are_reused_and_outputs_are_planned_views(model, exported):
+    prog = program(model, exported, "device_planned", "split")
+    forward = prog.methods["forward"]
+    tokens, pos = torch.zeros(B, 3, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+    (first,) = forward(tokens, pos)
+    ptr = first.data_ptr()
+    (second,) = forward(tokens, pos)
+    assert second.data_ptr() == ptr  # same planned buffer every call
+    arena = prog.arenas["cpu"]
+    assert arena.data_ptr() <= ptr < arena.data_ptr() + arena.numel()
+    # a caller that fills the planned input buffer in place skips the input copy
+    buf = forward.input_buffer("tokens", (B, 3))
+    buf.copy_(tokens)
+    (third,) = forward(buf, pos)
+    assert torch.equal(third, second)
+
+
+def test_call_time_checks(model, exported):
+    forward = program(model, exported, "device_planned", "split").methods["forward"]
+    pos = torch.zeros(B, dtype=torch.int64)
+    with pytest.raises(ExportError, match="input tokens must be on cpu"):
+        forward(torch.zeros(B, 3, dtype=torch.int64, device="meta"), pos)
+    with pytest.raises(ExportError, match="expected int64"):
+        forward(torch.zeros(B, 3), pos)
+    with pytest.raises(ExportError, match="does not fit"):
+        forward(torch.zeros(B, S + 1, dtype=torch.int64), pos)
+    with pytest.raises(ExportError, match="takes 2 inputs"):
+        forward(pos)
+    elided = program(model, exported, "copy_elided", "split").methods["forward"]
+    with pytest.raises(ExportError, match="skip_h2d_for_method_inputs is set"):
+        elided(torch.zeros(B, 3, dtype=torch.int64, device="meta"), pos)
+    plan_only = program(model, exported, "device_planned", "split", delegate_device="cuda:0")
+    assert not plan_only.executable
+    with pytest.raises(ExportError, match="plan only"):
+        plan_only.methods["forward"](torch.zeros(B, 3, dtype=torch.int64), pos)
+
+
+def test_export_needs_matching_caches(model):
+    with pytest.raises(ExportError, match="setup_caches"):
+        export_program(model, ExportSettings(), B + 1, S)
+
+
+@pytest.mark.parametrize("split", METHOD_SPLITS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_program_plans(model, exported, preset, split):
+    plan = program(model, exported, preset, split, delegate_device="cuda:0").plan
+    for device, size in plan.arenas.items():
+        allocs = [a for a in plan.allocations if a.device == device and a.alias_of is None]
+        requests = [Request(a.key, a.nbytes, a.start, a.end) for a in allocs]
+        assert_no_live_overlap(requests, {a.key: a.offset for a in allocs}, size, plan.alignment)
+        assert size <= plan.naive_bytes[device] == sum(align(r.nbytes, plan.alignment) for r in requests)
+    for a in plan.allocations:
+        assert a.nbytes == torch.Size(a.shape).numel() * getattr(torch, a.dtype).itemsize
+        if a.tensor == "tokens" and a.method in ("forward", "prefill"):
+            assert a.shape == [B, S]  # dynamic T at its upper bound
+    # inputs and outputs are pinned for the program's lifetime: the static buffers callers bind to
+    horizon = max(a.end for a in plan.allocations)
+    assert all((a.start, a.end) == (0, horizon) for a in plan.allocations if a.role in ("input", "output"))
+    assert ProgramPlan.from_json(plan.to_json()) == plan
+    json.loads(plan.to_json())
+
+
+def test_cpu_delegate_copies_alias_their_source(model, exported):
+    """On a CPU delegate a copy node takes no memory: it is its source's bytes."""
+    plan = program(model, exported, "device_planned", "split").plan
+    assert set(plan.arenas) == {"cpu"}
+    h2d = plan.allocation("forward", "h2d_tokens")
+    assert h2d.alias_of == "tokens" and h2d.offset == plan.allocation("forward", "tokens").offset
