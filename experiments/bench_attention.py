@@ -1,0 +1,214 @@
+"""Decode attention (Triton flash-decoding vs the model's torch path) and prefill attention at 35B-A3B dims.
+
+Decode: batch 1, bf16, 16 q / 2 kv heads of 256, static cache of --cache-len slots, context 1k / 8k / 32k.
+Each call is timed inside one CUDA graph of many calls (the decode step is graph-captured, so launch
+overhead is not part of it), every call on its own cache so the KV read comes from HBM, not L2.
+GB/s counts the K and V bytes of keys 0..pos. Prefill at T = 4096: the Triton kernel and the torch path
+(masked GQA SDPA) against the rest of the attention layer and a lower bound of the rest of the 35B-A3B
+prefill step (its active-parameter GEMM FLOPs at the measured bf16 GEMM rate).
+
+    PYTHONPATH=. python experiments/bench_attention.py [--out results/bench_attention.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import naive
+from kernels.attention import triton as tri
+from qmoe.metrics.measure import environment
+
+HQ, HKV, D, HIDDEN, ROT = 16, 2, 256, 2048, 64  # 35B-A3B attention layer
+L2_FLUSH_BYTES = 200 * 2**20  # > 3x the H200's L2: rotated inputs are read from HBM
+# 35B-A3B parameters touched per token in prefill, without lm_head: 10 attention layers (q+gate, k, v, o),
+# 30 DeltaNet layers (qkv, z, a, b, out), 40 MoE layers (8 routed + 1 shared expert of 3 x 2048 x 512, router)
+ACTIVE_PARAMS = (
+    10 * (2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048)
+    + 30 * (2048 * 8192 + 2048 * 4096 + 2 * 2048 * 32 + 4096 * 2048)
+    + 40 * (9 * 3 * 2048 * 512 + 2048 * 256)
+)
+
+
+def time_calls(fn, n: int, device: str, reps: int = 10) -> tuple[float, str]:
+    """Median µs per call of fn(0..n-1): replayed as one CUDA graph on the GPU (eager events if capture
+    fails), wall clock on CPU (smoke runs)."""
+    for i in range(n):
+        fn(i)  # compile and warm up
+    if device != "cuda":
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter() - start) * 1e6 / n, "cpu wall clock"
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                fn(i)
+        run, method = graph.replay, "cuda graph"
+    except Exception:  # a path that cannot be captured is timed eagerly, and the row says so
+        run, method = (lambda: [fn(i) for i in range(n)]), "eager"
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(times), method
+
+
+def copy_bandwidth_gbs(device: str) -> float:
+    """Device copy ceiling: a 1 GiB copy, read + write bytes."""
+    nbytes = 2**30 if device == "cuda" else 2**24
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us, _ = time_calls(lambda i: dst.copy_(src), 1, device, reps=10)
+    return 2 * nbytes / us / 1e3
+
+
+def gemm_tflops(device: str) -> float:
+    """bf16 GEMM ceiling at 8192^3."""
+    n = 8192 if device == "cuda" else 256
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    us, _ = time_calls(lambda i: a @ b, 3, device, reps=5)
+    return 2 * n**3 / us / 1e6
+
+
+def bench_decode(context: int, cache_len: int, device: str, dtype) -> dict:
+    kv_read = 2 * HKV * context * D * dtype.itemsize  # K and V of keys 0..pos
+    copies = max(2, -(-L2_FLUSH_BYTES // kv_read)) if device == "cuda" else 2
+    caches = [torch.randn(2, 1, HKV, cache_len, D, device=device, dtype=dtype) for _ in range(copies)]
+    q = torch.randn(1, 1, HQ, D, device=device, dtype=dtype)
+    k, v = torch.randn(2, 1, 1, HKV, D, device=device, dtype=dtype)
+    pos = torch.full((1, 1), context - 1, device=device)
+    row = {"context": context, "cache_len": cache_len, "kv_bytes_read": kv_read, "rotated_caches": copies}
+    for name, attn in (("triton", tri.attention), ("torch", naive.attention)):
+        call = lambda i, attn=attn: attn(q, k, v, caches[i][0], caches[i][1], pos, D**-0.5)
+        us, method = time_calls(call, copies, device)
+        row[f"{name}_us"], row[f"{name}_gbs"], row[f"{name}_timing"] = us, kv_read / us / 1e3, method
+    row["speedup_vs_torch"] = row["torch_us"] / row["triton_us"]
+    row["splits"] = tri.num_splits(1, HKV, cache_len, torch.device(device))
+    return row
+
+
+def bench_prefill(T: int, cache_len: int, device: str, dtype) -> dict:
+    """Prefill attention of T tokens from position 0 (Triton kernel and the torch path) against the rest of
+    the attention layer (projections, q/k norm + RoPE, output gate)."""
+    x = torch.randn(1, T, HIDDEN, device=device, dtype=dtype)
+    weight = lambda n, k: torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+    w_qg, w_k, w_v, w_o = (
+        weight(2 * HQ * D, HIDDEN),
+        weight(HKV * D, HIDDEN),
+        weight(HKV * D, HIDDEN),
+        weight(HIDDEN, HQ * D),
+    )
+    norm_w = torch.zeros(D, device=device, dtype=dtype)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, ROT, 2, dtype=torch.float32, device=device) / ROT))
+    k_cache, v_cache = torch.zeros(2, 1, HKV, cache_len, D, device=device, dtype=dtype)
+    positions = torch.arange(T, device=device)[None]
+
+    def project(x):
+        q, gate = F.linear(x, w_qg).view(1, T, HQ, 2 * D).chunk(2, dim=-1)
+        k, v = F.linear(x, w_k).view(1, T, HKV, D), F.linear(x, w_v).view(1, T, HKV, D)
+        q, k = tri.qk_norm_rope(q, k, norm_w, norm_w, positions, inv_freq, 1e-6)
+        return q, k, v, gate
+
+    def rest(i):  # the attention layer without its attention core
+        q, k, v, gate = project(x)
+        return F.linear(q.reshape(1, T, -1) * torch.sigmoid(gate.reshape(1, T, -1)), w_o)
+
+    q, k, v, _ = project(x)
+    row = {"T": T, "cache_len": cache_len}
+    for name, attn in (("triton", tri.attention), ("torch", naive.attention)):
+        call = lambda i, attn=attn: attn(q, k, v, k_cache, v_cache, positions, D**-0.5)
+        us, _ = time_calls(call, 2, device, reps=3)
+        row[f"{name}_attention_us"] = us
+        row[f"{name}_attention_tflops"] = 4 * T * (T + 1) / 2 * D * HQ / us / 1e6  # causal FLOPs actually needed
+    row["rest_of_layer_us"], _ = time_calls(rest, 2, device, reps=3)
+    return row
+
+
+def target(what: str, value: float, limit: float, at_most: bool) -> dict:
+    met = value <= limit if at_most else value >= limit
+    missed_by = None if met else (value / limit if at_most else limit / value)  # how many times off
+    bound = f"{'<=' if at_most else '>='} {limit:.3g}"
+    return {"what": what, "value": value, "target": bound, "met": met, "missed_by_x": missed_by}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/bench_attention.json")
+    parser.add_argument("--cache-len", type=int, default=32768, help="static KV cache slots (max_seq_len)")
+    parser.add_argument("--smoke", action="store_true", help="tiny contexts on CPU (checks the script only)")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    contexts, prefill_T, cache_len = ([64, 200], 64, 256) if args.smoke else ([1024, 8192, 32768], 4096, args.cache_len)
+    t0 = time.time()
+    copy_gbs, tflops = copy_bandwidth_gbs(device), gemm_tflops(device)
+
+    decode = [bench_decode(c, cache_len, device, dtype) for c in contexts]
+    prefill = [bench_prefill(prefill_T, s, device, dtype) for s in sorted({prefill_T, cache_len})]
+    rest_of_step_us = 2 * ACTIVE_PARAMS * prefill_T / tflops / 1e6  # lower bound: GEMM FLOPs at the ceiling
+    for row in prefill:
+        row["rest_of_step_lower_bound_us"] = rest_of_step_us
+        for name in ("triton", "torch"):  # share of the step taken by the 10 attention layers' attention
+            attn = 10 * row[f"{name}_attention_us"]
+            row[f"{name}_attention_share_of_step"] = attn / (attn + rest_of_step_us)
+
+    # Targets: short contexts are latency-bound; the 32k context streams KV at >= 60% of the copy ceiling;
+    # prefill attention is not the bottleneck when it is < 25% of (attention + a lower bound of the rest).
+    targets = [
+        target("decode 1k latency us", decode[0]["triton_us"], 8, at_most=True),
+        target("decode 8k latency us", decode[1]["triton_us"], 12, at_most=True),
+        target("decode 32k KV GB/s", decode[-1]["triton_gbs"], 0.6 * copy_gbs, at_most=False),
+    ]
+    for row in prefill:
+        what = f"prefill T={prefill_T} attention share of step, cache {row['cache_len']}"
+        targets.append(target(what, row["triton_attention_share_of_step"], 0.25, at_most=True))
+
+    result = {
+        **environment(torch.device(device)),
+        "benchmark": "attention",
+        "dims": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": 1, "dtype": str(dtype)},
+        "ceilings": {"copy_gbs": copy_gbs, "bf16_gemm_tflops": tflops},
+        "decode": decode,
+        "prefill": prefill,
+        "targets": targets,
+        "seconds": time.time() - t0,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+    print(f"copy {copy_gbs:.0f} GB/s, bf16 GEMM {tflops:.0f} TFLOP/s, cache {cache_len} slots")
+    print(f"{'context':>8} {'triton us':>10} {'GB/s':>7} {'torch us':>9} {'GB/s':>7} {'speedup':>8} {'splits':>6}")
+    for r in decode:
+        tri_cols = f"{r['triton_us']:>10.1f} {r['triton_gbs']:>7.0f}"
+        torch_cols = f"{r['torch_us']:>9.1f} {r['torch_gbs']:>7.0f}"
+        print(f"{r['context']:>8} {tri_cols} {torch_cols} {r['speedup_vs_torch']:>7.1f}x {r['splits']:>6}")
+    for r in prefill:
+        ms = {key: r[key] / 1e3 for key in ("triton_attention_us", "torch_attention_us", "rest_of_layer_us")}
+        print(
+            f"prefill T={r['T']} cache {r['cache_len']}: attention triton {ms['triton_attention_us']:.2f} ms "
+            f"({r['triton_attention_tflops']:.0f} TFLOP/s), torch {ms['torch_attention_us']:.2f} ms; "
+            f"rest of layer {ms['rest_of_layer_us']:.2f} ms; 10 layers' attention = "
+            f"{r['triton_attention_share_of_step']:.0%} (triton) / {r['torch_attention_share_of_step']:.0%} (torch) "
+            f"of the step (rest >= {rest_of_step_us / 1e3:.1f} ms)"
+        )
+    for t in targets:
+        miss = "" if t["met"] else f", missed {t['missed_by_x']:.2f}x"
+        print(f"{'met ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.3g} (target {t['target']}{miss})")
+    print(f"-> {args.out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
