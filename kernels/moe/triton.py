@@ -322,7 +322,7 @@ def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, decode=None,
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     if decode:
         sorted_pairs = block_expert = total = ids  # unused by the decode branch
-        num_slots, p_block = P, triton.next_power_of_2(P)
+        num_slots, p_block = P, max(16, triton.next_power_of_2(P))
     else:
         sorted_pairs, block_expert, total = align_pairs(ids, E, block_m)
         num_slots, p_block = block_expert.numel(), 1

@@ -27,11 +27,12 @@ def make_routing(M, E, K, experts=None, seed=0, device="cpu"):
 
 
 def make_experts(M, H, E, I, dtype, seed=0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, H, generator=gen)
-    w13 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
-    w2 = torch.randn(E, H, I, generator=gen) / I**0.5
-    return x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype)
+    """x [M, H], w13 [E, 2I, H], w2 [E, H, I] drawn on `device` (the 35B/122B weights are GBs)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, H, generator=gen, device=device, dtype=dtype)
+    w13 = torch.randn(E, 2 * I, H, generator=gen, device=device, dtype=dtype) / H**0.5
+    w2 = torch.randn(E, H, I, generator=gen, device=device, dtype=dtype) / I**0.5
+    return x, w13, w2
 
 
 def reference(x, w13, w2, weights, ids):
