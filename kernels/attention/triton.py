@@ -107,8 +107,9 @@ def _decode_split_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
         k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
         v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
-        k_new = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + d, mask=d_ok).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok).to(v_cache_ptr.dtype.element_ty)
+        k_new = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + d, mask=d_ok, other=0.0)
+        v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+        k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
         if end == pos + 1:  # this split owns key `pos`: write the new K/V into the cache
             tl.store(k_cache_row + pos * stride_kcs + d, k_new, mask=d_ok)
             tl.store(v_cache_row + pos * stride_vcs + d, v_new, mask=d_ok)
@@ -177,7 +178,7 @@ def _prefill_kernel(
     b = tl.program_id(1).to(tl.int64) // HQ
     head = tl.program_id(1) % HQ
     kv_head = head // G
-    t = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # t * stride may pass 2^31 for long prompts
     d = tl.arange(0, BLOCK_D)
     t_ok, d_ok = t < T, d < D
     pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=t_ok, other=-1)  # [BLOCK_M]

@@ -118,6 +118,12 @@ def test_prefill_attention_35b_heads():
     check_prefill(1, 20, 16, 2, 256, 64, [30], torch.float32, "cpu")
 
 
+def test_odd_head_dim():
+    """Head dim 72 (not a power of 2: masked tail of the head block) and 3 q heads per kv head."""
+    check_decode(2, 6, 2, 72, 160, [100, 7], 4, torch.float32, "cpu")
+    check_prefill(2, 9, 6, 2, 72, 160, [0, 50], torch.float32, "cpu")
+
+
 @pytest.mark.parametrize("T", [1, 63, 65])
 def test_attention_through_public_op(T):
     """attention() dispatches T == 1 to the decode kernels and T > 1 to the prefill kernel; rows at
