@@ -5,7 +5,7 @@
 #         bench_checkpoint, runtime, e2e.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/qmoe_out}
 mkdir -p "$OUT" results
 if ls .whl/*.whl >/dev/null 2>&1; then
