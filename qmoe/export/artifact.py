@@ -85,6 +85,7 @@ def save_program(program: Program, directory, weights_identity: dict) -> Path:
         "export_config": program.settings.to_dict(),
         "model_config": program.model_config.to_dict(),
         "weights_identity": weights_identity,
+        "kernels": program.kernels,
         "torch_version": torch.__version__,
         "files": {name: sha256_file(directory / name) for name in sorted(files)},
     }
@@ -127,6 +128,7 @@ def load_program(directory, model, weights_identity: dict) -> Program:
     settings = ExportSettings.from_cfg(json.loads((directory / "export_config.json").read_text()))
     exported = {m: torch.export.load(directory / "methods" / f"{m}.pt2") for m in manifest["methods"]}
     program = Program(exported, model, settings, batch_size, max_seq_len)
+    program.kernels = manifest["kernels"]  # the ops the saved graphs call, whatever the model selects now
     if program.plan.to_json() != (directory / "plan.json").read_text():
         _refuse(directory, "plan.json is not the plan of the saved methods under this code")
     return program

@@ -126,6 +126,7 @@ class Method:
             if size > bound if i in spec.dynamic_dims else size != bound:
                 raise ExportError(f"{where}: shape {tuple(x.shape)} does not fit {tuple(spec.shape)} at dim {i}")
 
+    @torch.no_grad()
     def __call__(self, *inputs: torch.Tensor, ledger=None) -> tuple[torch.Tensor, ...]:
         if self.arenas is None:
             self.buffer(self.inputs[0].name)  # raises the plan-only error
@@ -177,6 +178,7 @@ class Program:
         self.exported, self.settings = exported, settings
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.model_config = model.config
+        self.kernels = {group: module.__name__ for group, module in model.ops.items()}  # what the graphs call
         self.delegate_device = settings.resolve_delegate_device(model.device)
         self.graphs = {
             m: lower_method(m, ep, INPUT_NAMES[m], OUTPUT_NAMES[m], settings, self.delegate_device)

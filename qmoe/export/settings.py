@@ -1,6 +1,6 @@
 """ExportSettings: the `export` config group (configs/export/*.yaml) as a validated dataclass."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from omegaconf import OmegaConf
@@ -28,7 +28,6 @@ class ExportSettings:
     skip_d2h_for_method_outputs: bool | dict = False
     delegate_device: str = "auto"  # auto = the model's device; anything else is a label (plan only)
     alignment: int = 256  # bytes; every planned tensor starts at a multiple of it
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if self.method_split not in METHOD_SPLITS:
@@ -57,10 +56,12 @@ class ExportSettings:
 
     @classmethod
     def from_cfg(cls, cfg) -> "ExportSettings":
-        """From the composed `cfg.export` (a DictConfig or a dict); unknown keys are kept in `extra`."""
+        """From the composed `cfg.export` (a DictConfig or a dict); an unknown key is refused."""
         d = _to_container(cfg)
-        names = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        return cls(**{k: v for k, v in d.items() if k in names}, extra={k: v for k, v in d.items() if k not in names})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ExportError(f"export.{unknown[0]}: unknown key; allowed: {', '.join(f.name for f in fields(cls))}")
+        return cls(**d)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -84,9 +85,7 @@ class ExportSettings:
         return device_name(model_device if self.delegate_device == "auto" else self.delegate_device)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(d.pop("extra"))
-        return d
+        return asdict(self)
 
 
 def device_name(device: torch.device | str) -> str:
