@@ -6,13 +6,15 @@ Shapes: M tokens, H hidden, E experts, I expert intermediate, K experts per toke
   up:    h[p]       = silu(x[t] @ gate[e]^T) * (x[t] @ up[e]^T)      (silu * up fused in the epilogue)  [P, I]
   down:  partial[p] = topk_weight[p] * h[p] @ w2[e]^T                                                 [P, H]
   out[t]            = sum_k partial[t * K + k]    (fixed order, no atomics: bit-reproducible)           [M, H]
+(The prefill align ranks pairs with atomics, but that order inside an expert's group changes no result.)
 Every program owns one expert and a group of its pairs, so each selected expert's weight tile is read once per
 group. Two ways to form the groups, both without host sync and with shapes that depend only on M, K, E:
   decode (M <= DECODE_MAX_M): one slot per pair; the slot that holds the first pair of expert e gathers every
     pair routed to e (an in-register compaction over the P ids) and the other slots of e exit. One launch each
     for up and down, no sort: the weights of every distinct selected expert are streamed exactly once.
   prefill: pairs are counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks on
-    device (three tiny kernels); a grid sized for the worst case skips blocks past the padded total.
+    device (three tiny kernels); a grid sized for the worst case skips blocks past the padded total, and each
+    block finds its expert from the E group ends (no per-block table to build serially).
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
@@ -141,24 +143,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _align_offsets_kernel(
-    counts_ptr, starts_ptr, total_ptr, block_expert_ptr, sorted_ptr, E, P, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+def _align_offsets_kernel(counts_ptr, starts_ptr, ends_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)  # [BLOCK_E]; lanes past E add 0, so they end at the total
+    ends = tl.cumsum(padded, 0)  # [BLOCK_E]
     tl.store(starts_ptr + offs_e, ends - padded, mask=offs_e < E)
-    tl.store(total_ptr, tl.sum(padded, 0))
-    for b0 in range(0, num_blocks, BLOCK):
-        offs_b = b0 + tl.arange(0, BLOCK)
-        # A block's expert = the number of experts whose padded range ends at or before the block's first row.
-        expert = tl.sum((ends[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), 1)
-        tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < num_blocks)
-    for s0 in range(0, num_blocks * BLOCK_M, BLOCK):  # padding rows point at pair P: masked out by the GEMMs
-        offs_s = s0 + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + offs_s, tl.zeros((BLOCK,), tl.int32) + P, mask=offs_s < num_blocks * BLOCK_M)
+    tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
 
 
 @triton.jit
@@ -171,26 +162,22 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: t
 
 
 def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
-    """Group the P pairs by expert into BLOCK_M-row blocks -> (sorted pair ids [num_blocks * BLOCK_M] int32 with P
-    as padding, expert of each block [num_blocks] int32, padded total [1] int32). num_blocks is the worst case
-    (every used expert wastes BLOCK_M - 1 rows); blocks at or past the total are skipped by the GEMMs."""
+    """Group the P pairs by expert into BLOCK_M-row blocks -> (sorted pair ids [num_blocks * BLOCK_M] int32, P in
+    padding rows; ends [E] int32, the end of each expert's padded group). num_blocks is the worst case (every used
+    expert wastes BLOCK_M - 1 rows); the GEMMs skip blocks at or past ends[E - 1]."""
     P = topk_ids.numel()
     ids = topk_ids.flatten()
     num_blocks = triton.cdiv(P + min(E, P) * (block_m - 1), block_m)
     counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
     rank = torch.empty(P, dtype=torch.int32, device=ids.device)
     starts = torch.empty(E, dtype=torch.int32, device=ids.device)
-    total = torch.empty(1, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    ends = torch.empty(E, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=ids.device)
     BLOCK = 1024
     _align_count_kernel[(triton.cdiv(P, BLOCK),)](ids, counts, rank, P, BLOCK=BLOCK)
-    _align_offsets_kernel[(1,)](
-        counts, starts, total, block_expert, sorted_pairs, E, P, num_blocks,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E), BLOCK=64,
-    )  # fmt: skip
+    _align_offsets_kernel[(1,)](counts, starts, ends, E, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E))
     _align_scatter_kernel[(triton.cdiv(P, BLOCK),)](ids, rank, starts, sorted_pairs, P, BLOCK=BLOCK)
-    return sorted_pairs, block_expert, total
+    return sorted_pairs, ends
 
 
 # ----------------------------------------------------------------------------------------------- grouped GEMMs
@@ -215,6 +202,18 @@ def _decode_slot(ids_ptr, slot, P, P_BLOCK: tl.constexpr):
     first = tl.min(tl.where(match, offs_p, P_BLOCK), 0)
     pos = tl.cumsum(match.to(tl.int32), 0) - 1
     return expert, match, pos, tl.sum(match.to(tl.int32), 0), first == slot
+
+
+@triton.jit
+def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Block `block` of the aligned pairs -> (its expert, pair ids [BLOCK_M], row mask, whether it holds pairs).
+    Its expert is the number of experts whose padded group ends at or before the block's first row."""
+    offs_e = tl.arange(0, BLOCK_E)
+    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2**30)
+    row0 = block * BLOCK_M
+    expert = tl.sum((ends <= row0).to(tl.int32), 0)
+    pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < P, row0 < tl.load(ends_ptr + E - 1)
 
 
 @triton.jit
@@ -264,8 +263,8 @@ def _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I
 
 @triton.jit
 def _moe_up_kernel(
-    x_ptr, w13_ptr, h_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, H, I,
-    TOP_K: tl.constexpr, DECODE: tl.constexpr, P_BLOCK: tl.constexpr,
+    x_ptr, w13_ptr, h_ptr, ids_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    TOP_K: tl.constexpr, DECODE: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Axis 0 walks N tiles of one group, so neighbouring programs share the group's activations.
@@ -279,16 +278,16 @@ def _moe_up_kernel(
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
                 _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
     else:
-        if slot * BLOCK_M < tl.load(total_ptr):
-            w_ptr = w13_ptr + tl.load(block_expert_ptr + slot).to(tl.int64) * (2 * I * H)
-            pairs = tl.load(sorted_ptr + slot * BLOCK_M + tl.arange(0, BLOCK_M))
-            _up_tile(x_ptr, w_ptr, h_ptr, pairs, pairs < P, offs_n, H, I, TOP_K, BLOCK_K)
+        expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, slot, E, P, BLOCK_M, BLOCK_E)
+        if used:
+            w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
 
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, H, I,
-    DECODE: tl.constexpr, P_BLOCK: tl.constexpr,
+    h_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    DECODE: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -301,10 +300,10 @@ def _moe_down_kernel(
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
                 _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
     else:
-        if slot * BLOCK_M < tl.load(total_ptr):
-            w_ptr = w2_ptr + tl.load(block_expert_ptr + slot).to(tl.int64) * (H * I)
-            pairs = tl.load(sorted_ptr + slot * BLOCK_M + tl.arange(0, BLOCK_M))
-            _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, pairs < P, offs_n, H, I, BLOCK_K)
+        expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, slot, E, P, BLOCK_M, BLOCK_E)
+        if used:
+            w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
+            _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
 
 
 def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, decode=None, config=None) -> torch.Tensor:
@@ -321,20 +320,20 @@ def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, decode=None,
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     if decode:
-        sorted_pairs = block_expert = total = ids  # unused by the decode branch
-        num_slots, p_block = P, max(16, triton.next_power_of_2(P))
+        sorted_pairs = ends = ids  # unused by the decode branch
+        num_slots, p_block, block_e = P, max(16, triton.next_power_of_2(P)), 1
     else:
-        sorted_pairs, block_expert, total = align_pairs(ids, E, block_m)
-        num_slots, p_block = block_expert.numel(), 1
+        sorted_pairs, ends = align_pairs(ids, E, block_m)
+        num_slots, p_block, block_e = sorted_pairs.numel() // block_m, 1, triton.next_power_of_2(E)
     grid = (triton.cdiv(I, up["BLOCK_N"]), num_slots)
     _moe_up_kernel[grid](
-        x, w13, h, ids, sorted_pairs, block_expert, total, P, H, I,
-        TOP_K=K, DECODE=decode, P_BLOCK=p_block, BLOCK_M=block_m, **up,
+        x, w13, h, ids, sorted_pairs, ends, P, E, H, I,
+        TOP_K=K, DECODE=decode, P_BLOCK=p_block, BLOCK_E=block_e, BLOCK_M=block_m, **up,
     )  # fmt: skip
     grid = (triton.cdiv(H, down["BLOCK_N"]), num_slots)
     _moe_down_kernel[grid](
-        h, w2, partials, weights, ids, sorted_pairs, block_expert, total, P, H, I,
-        DECODE=decode, P_BLOCK=p_block, BLOCK_M=block_m, **down,
+        h, w2, partials, weights, ids, sorted_pairs, ends, P, E, H, I,
+        DECODE=decode, P_BLOCK=p_block, BLOCK_E=block_e, BLOCK_M=block_m, **down,
     )  # fmt: skip
     return partials.view(M, K, H).sum(1)
 
