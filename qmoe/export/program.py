@@ -66,10 +66,11 @@ def _bind(method: str, target: str, live: dict, val, device) -> torch.Tensor:
 class Method:
     """One method of a Program: `method(*inputs, ledger=None) -> tuple of outputs`.
 
-    Inputs are copied into their planned buffers (no copy when the caller passes the buffer itself, see
-    `input_buffer`); outputs are views into the planned arena, valid until this method runs again. Copy nodes
-    copy between planned buffers and are recorded in the ledger ("copy_node"); with planning off the delegate
-    moves its host inputs to its device and its outputs back itself, recorded as "delegate". A copy whose
+    Inputs are copied into their planned buffers (no copy when the caller passes the buffer itself: fill
+    `buffer(input_name, shape)` in place); outputs are views into the planned arena, valid until this method
+    runs again. Copy nodes copy between planned buffers and are recorded in the ledger ("copy_node"); with
+    planning off the delegate moves its host inputs to its device and its outputs back itself, recorded as
+    "delegate". A copy whose
     source already sits on its destination device (a CPU delegate) is a no-op: it moves no bytes and records
     nothing, exactly like the memcpy a profiler would (not) see. `delegate` may be swapped for any callable
     with the same signature (e.g. a CUDA graph replay): with planning on it is always called with the same
@@ -90,7 +91,8 @@ class Method:
         return [n.name for n in self.inputs]
 
     def buffer(self, tensor: str, shape=None) -> torch.Tensor:
-        """The planned buffer of node `tensor` as a view of `shape` (default: its upper-bound shape)."""
+        """The planned buffer of node `tensor` (an input name, a copy node like "h2d_tokens", "delegate_logits")
+        as a view of `shape` (default: its upper-bound shape)."""
         if self.arenas is None:
             raise ExportError(f"method {self.name}: plan only (delegate device {self.device} is not the model's)")
         a = self.allocations[tensor]
@@ -100,10 +102,6 @@ class Method:
         if nbytes > a.nbytes:
             raise ExportError(f"method {self.name}: {tensor} of shape {tuple(shape)} exceeds its plan {a.shape}")
         return self.arenas[a.device][a.offset : a.offset + nbytes].view(dtype).view(shape)
-
-    def input_buffer(self, name: str, shape=None) -> torch.Tensor:
-        """Where input `name` lives: fill it in place and pass it back to skip the input copy."""
-        return self.buffer(name, shape)
 
     def delegate_inputs(self, shapes=None) -> list[torch.Tensor]:
         """The planned buffers the delegate reads (planning on), at their upper-bound shapes by default."""
