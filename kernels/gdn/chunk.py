@@ -9,8 +9,10 @@
    S <- exp(gc_last) S + (k exp(gc_last - gc))^T v_new. Starts from and leaves the recurrent state.
 3. `_gated_norm_kernel`: RMSNorm of each value-head row of o, * weight * silu(z).
 
-q and k are L2-normed (q scaled) where they are loaded, from the conv output, and the gates g and beta are
-computed from a and b in the WY kernel, so no normalised copies are written.
+q and k are read raw from the conv output; their L2 norms (and q's scale) scale the rows and columns of the
+dot results, and g and beta are computed from a and b in the WY kernel, so no normalised copies are written.
+Dot operands are in the activation dtype (bf16 tensor cores on the GPU; fp32/TF32 for fp32), accumulating in
+fp32; the recurrent state stays fp32.
 """
 
 import torch
@@ -24,36 +26,28 @@ CHUNK = 64  # the kernels hard-code it (and its 16-token diagonal blocks) as lit
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_mask, col0, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
-    """[len(rows), BD] fp32 tile of columns col0 .. col0+D of row-major rows; L2-normed per row if NORM."""
-    i = tl.arange(0, BD)
-    x = tl.load(ptr + rows[:, None] + col0 + i[None, :], mask=row_mask[:, None] & (i < D)[None, :], other=0.0)
-    x = x.to(tl.float32)
-    if NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-    return x
-
-
-@triton.jit
 def _wy_block(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0,
         t0, h, hk, carry,
         T, C,
               NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    """Normed k [16, BK], v [16, BV], beta and cumulative log decay gc [16] of tokens t0 .. t0+16."""
+    """Raw k [16, BK] with its inverse L2 norms [16], raw v [16, BV], beta and the cumulative log decay
+    gc [16] of tokens t0 .. t0+16 (activation dtype tiles: the norms are applied to the dot results)."""
     t = t0 + tl.arange(0, 16)
     mt = t < T
-    rows = (bt0 + t) * C  # bt0 = b * T
-    k = _load_rows(qkv_ptr, rows, mt, (NK + hk) * DK, DK, BK, True)
-    v = _load_rows(qkv_ptr, rows, mt, 2 * NK * DK + h * DV, DV, BV, False)
+    ik, iv = tl.arange(0, BK), tl.arange(0, BV)
+    rows = qkv_ptr + ((bt0 + t) * C)[:, None]  # bt0 = b * T
+    k = tl.load(rows + (NK + hk) * DK + ik[None, :], mask=mt[:, None] & (ik < DK)[None, :], other=0.0)
+    v = tl.load(rows + 2 * NK * DK + h * DV + iv[None, :], mask=mt[:, None] & (iv < DV)[None, :], other=0.0)
+    k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)
     g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, (bt0 + t) * NV + h, h, mt)
-    return k, v, beta, tl.cumsum(g, axis=0) + carry, carry + tl.sum(g, axis=0)
+    return k, k_norm, v, beta, tl.cumsum(g, axis=0) + carry, carry + tl.sum(g, axis=0)
 
 
 @triton.jit
-def _kkt(k_i, beta_i, gc_i, k_j, gc_j, DIAG: tl.constexpr):
-    """Block (i, j) of A: beta_i (k_i . k_j) exp(gc_i - gc_j), strictly lower on the diagonal block."""
-    a = tl.dot(k_i * beta_i[:, None], tl.trans(k_j))  # [16, 16]
+def _kkt(k_i, norm_i, beta_i, gc_i, k_j, norm_j, gc_j, DIAG: tl.constexpr):
+    """Block (i, j) of A: beta_i (k_i . k_j) exp(gc_i - gc_j) of normed keys, strictly lower on the diagonal."""
+    a = tl.dot(k_i, tl.trans(k_j)) * (beta_i * norm_i)[:, None] * norm_j[None, :]  # [16, 16]
     diff = gc_i[:, None] - gc_j[None, :]
     if DIAG:
         lower = tl.arange(0, 16)[:, None] > tl.arange(0, 16)[None, :]
@@ -93,30 +87,30 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     b, h = bh // NV, bh % NV
     hk = h // G
     t0, bt0 = chunk * 64, b * T
-    k0, v0, beta0, gc0, carry = _wy_block(
+    k0, n0, v0, beta0, gc0, carry = _wy_block(
         qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0, h, hk, 0.0, T, C, NK, NV, DK, DV, BK, BV
     )
-    k1, v1, beta1, gc1, carry = _wy_block(
+    k1, n1, v1, beta1, gc1, carry = _wy_block(
         qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 16, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
     )
-    k2, v2, beta2, gc2, carry = _wy_block(
+    k2, n2, v2, beta2, gc2, carry = _wy_block(
         qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 32, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
     )
-    k3, v3, beta3, gc3, carry = _wy_block(
+    k3, n3, v3, beta3, gc3, carry = _wy_block(
         qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 48, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
     )
 
     # T = (I + A)^-1 block by block: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    d0 = _inv_unit_lower(_kkt(k0, beta0, gc0, k0, gc0, True))
-    d1 = _inv_unit_lower(_kkt(k1, beta1, gc1, k1, gc1, True))
-    d2 = _inv_unit_lower(_kkt(k2, beta2, gc2, k2, gc2, True))
-    d3 = _inv_unit_lower(_kkt(k3, beta3, gc3, k3, gc3, True))
-    a10 = _kkt(k1, beta1, gc1, k0, gc0, False)
-    a20 = _kkt(k2, beta2, gc2, k0, gc0, False)
-    a21 = _kkt(k2, beta2, gc2, k1, gc1, False)
-    a30 = _kkt(k3, beta3, gc3, k0, gc0, False)
-    a31 = _kkt(k3, beta3, gc3, k1, gc1, False)
-    a32 = _kkt(k3, beta3, gc3, k2, gc2, False)
+    d0 = _inv_unit_lower(_kkt(k0, n0, beta0, gc0, k0, n0, gc0, True))
+    d1 = _inv_unit_lower(_kkt(k1, n1, beta1, gc1, k1, n1, gc1, True))
+    d2 = _inv_unit_lower(_kkt(k2, n2, beta2, gc2, k2, n2, gc2, True))
+    d3 = _inv_unit_lower(_kkt(k3, n3, beta3, gc3, k3, n3, gc3, True))
+    a10 = _kkt(k1, n1, beta1, gc1, k0, n0, gc0, False)
+    a20 = _kkt(k2, n2, beta2, gc2, k0, n0, gc0, False)
+    a21 = _kkt(k2, n2, beta2, gc2, k1, n1, gc1, False)
+    a30 = _kkt(k3, n3, beta3, gc3, k0, n0, gc0, False)
+    a31 = _kkt(k3, n3, beta3, gc3, k1, n1, gc1, False)
+    a32 = _kkt(k3, n3, beta3, gc3, k2, n2, gc2, False)
     t10 = -_dot(d1, _dot(a10, d0))
     t21 = -_dot(d2, _dot(a21, d1))
     t32 = -_dot(d3, _dot(a32, d2))
@@ -124,12 +118,16 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     t31 = -_dot(d3, _dot(a31, d1) + _dot(a32, t21))
     t30 = -_dot(d3, _dot(a30, d0) + _dot(a31, t10) + _dot(a32, t20))
 
-    # u = T (beta v), w = T (beta exp(gc) k)
-    vb0, vb1, vb2, vb3 = v0 * beta0[:, None], v1 * beta1[:, None], v2 * beta2[:, None], v3 * beta3[:, None]
-    kb0 = k0 * (beta0 * tl.exp(gc0))[:, None]
-    kb1 = k1 * (beta1 * tl.exp(gc1))[:, None]
-    kb2 = k2 * (beta2 * tl.exp(gc2))[:, None]
-    kb3 = k3 * (beta3 * tl.exp(gc3))[:, None]
+    # u = T (beta v), w = T (beta exp(gc) k / |k|), dot operands in the activation dtype
+    dt = qkv_ptr.dtype.element_ty
+    d0, d1, d2, d3 = d0.to(dt), d1.to(dt), d2.to(dt), d3.to(dt)
+    t10, t20, t30, t21, t31, t32 = t10.to(dt), t20.to(dt), t30.to(dt), t21.to(dt), t31.to(dt), t32.to(dt)
+    vb0, vb1 = (v0 * beta0[:, None]).to(dt), (v1 * beta1[:, None]).to(dt)
+    vb2, vb3 = (v2 * beta2[:, None]).to(dt), (v3 * beta3[:, None]).to(dt)
+    kb0 = (k0 * (beta0 * n0 * tl.exp(gc0))[:, None]).to(dt)
+    kb1 = (k1 * (beta1 * n1 * tl.exp(gc1))[:, None]).to(dt)
+    kb2 = (k2 * (beta2 * n2 * tl.exp(gc2))[:, None]).to(dt)
+    kb3 = (k3 * (beta3 * n3 * tl.exp(gc3))[:, None]).to(dt)
     row0 = bh * Tp + t0
     _store_rows(u_ptr, row0, tl.dot(d0, vb0), DV, BV)
     _store_rows(u_ptr, row0 + 16, tl.dot(t10, vb0) + tl.dot(d1, vb1), DV, BV)
@@ -160,25 +158,31 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, o_ptr, T, Tp, 
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV] fp32
     r = tl.arange(0, 64)
     causal = r[:, None] >= r[None, :]
+    dt = qkv_ptr.dtype.element_ty  # dot operands in the activation dtype (bf16 tensor cores), fp32 accumulation
     for chunk in range(tl.cdiv(T, 64)):
         t = chunk * 64 + r
         mt = t < T
-        rows = (b * T + t) * C
-        q = _load_rows(qkv_ptr, rows, mt, hk * DK, DK, BK, True) * scale  # [64, BK]
-        k = _load_rows(qkv_ptr, rows, mt, (NK + hk) * DK, DK, BK, True)  # [64, BK]
         scratch = bh * Tp + t  # padded scratch rows: always in bounds
-        w = _load_rows(w_ptr, scratch * DK, r >= 0, 0, DK, BK, False)  # [64, BK]
+        w = tl.load(w_ptr + scratch[:, None] * DK + ik[None, :], mask=mk[None, :], other=0.0)
         u = tl.load(u_ptr + scratch[:, None] * DV + iv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
+        v_new = u - tl.dot(w.to(dt), s.to(dt))  # [64, BV]
+
+        # q and k stay raw in the dots; their L2 norms (and q's scale) are applied to the dot results
+        qk_rows = qkv_ptr + ((b * T + t) * C)[:, None] + hk * DK + ik[None, :]
+        q = tl.load(qk_rows, mask=mt[:, None] & mk[None, :], other=0.0)  # [64, BK]
+        k = tl.load(qk_rows + NK * DK, mask=mt[:, None] & mk[None, :], other=0.0)  # [64, BK]
+        q_norm = scale * tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1) + 1e-6)  # [64]
+        k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)  # [64]
         gc = tl.load(gc_ptr + scratch)  # [64]
         gc_last = tl.load(gc_ptr + bh * Tp + chunk * 64 + 63)
-
-        v_new = u - tl.dot(w, s)  # [64, BV]
-        diff = tl.where(causal, gc[:, None] - gc[None, :], 0.0)
-        attn = tl.where(causal, tl.dot(q, tl.trans(k)) * tl.exp(diff), 0.0)  # [64, 64]
-        o = tl.dot(q * tl.exp(gc)[:, None], s) + tl.dot(attn, v_new)
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+        attn = tl.dot(q.to(dt), tl.trans(k.to(dt))) * q_norm[:, None] * k_norm[None, :]  # [64, 64]
+        attn = tl.where(causal, attn * decay, 0.0)
+        o = tl.dot(q.to(dt), s.to(dt)) * (q_norm * tl.exp(gc))[:, None] + tl.dot(attn.to(dt), v_new.to(dt))
         o_ptrs = o_ptr + ((b * T + t) * NV + h)[:, None] * DV + iv[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-        s = s * tl.exp(gc_last) + tl.dot(tl.trans(k * tl.exp(gc_last - gc)[:, None]), v_new)
+        v_to_end = (v_new * (k_norm * tl.exp(gc_last - gc))[:, None]).to(dt)
+        s = s * tl.exp(gc_last) + tl.dot(tl.trans(k.to(dt)), v_to_end)
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
@@ -198,34 +202,61 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, eps, D: tl.constexp
     tl.store(out_ptr + offs, ((w[None, :] * y).to(tl.float32) * z * tl.sigmoid(z)).to(dtype), mask=mask)
 
 
+def _blocks(dk: int, dv: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))  # tl.dot needs >= 16
+
+
+def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int):
+    """Per chunk of conv output qkv [B, T, C]: u [B, nv, Tp, dv], w [B, nv, Tp, dk] (activation dtype) and
+    gc [B, nv, Tp] fp32, Tp = T rounded up to the chunk."""
+    B, T, C = qkv.shape
+    nv, nk = a.shape[-1], num_k_heads
+    BK, BV = _blocks(dk, dv)
+    n_chunks = triton.cdiv(T, CHUNK)
+    Tp = n_chunks * CHUNK
+    u = torch.empty(B, nv, Tp, dv, dtype=qkv.dtype, device=qkv.device)
+    w = torch.empty(B, nv, Tp, dk, dtype=qkv.dtype, device=qkv.device)
+    gc = torch.empty(B, nv, Tp, dtype=torch.float32, device=qkv.device)
+    _wy_kernel[(n_chunks, B * nv)](
+        qkv, a, b, A_log, dt_bias, u, w, gc, T, Tp, C,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8,
+    )  # fmt: skip
+    return u, w, gc
+
+
+def chunk_delta_rule(qkv, u, w, gc, recurrent_state, num_k_heads: int) -> torch.Tensor:
+    """o [B, T, nv, dv] (activation dtype) of the delta rule over the chunks, from and into recurrent_state."""
+    B, T, C = qkv.shape
+    nv, dk, dv = recurrent_state.shape[1:]
+    nk = num_k_heads
+    BK, BV = _blocks(dk, dv)
+    BV = min(BV, 32)  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
+    o = torch.empty(B, T, nv, dv, dtype=qkv.dtype, device=qkv.device)
+    _chunk_state_kernel[(triton.cdiv(dv, BV), B * nv)](
+        qkv, u, w, gc, recurrent_state, o, T, u.shape[2], C, dk**-0.5,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8, num_stages=3,
+    )  # fmt: skip
+    return o
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.norm.naive.gated_rms_norm of o [B, T, nv, dv] with z [B, T, nv * dv] -> [B, T, nv * dv]."""
+    B, T, nv, dv = o.shape
+    out = torch.empty(B, T, nv * dv, dtype=o.dtype, device=o.device)
+    n_rows, BR = B * T * nv, 16
+    BD = _blocks(dv, dv)[1]
+    _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](o, z, weight, out, n_rows, eps, D=dv, BR=BR, BD=BD)
+    return out
+
+
 def gated_delta_net_prefill(
     mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
 ) -> torch.Tensor:
     """naive.gated_delta_net for any T (meant for T > 1); same arguments, same in-place state updates."""
-    B, T, C = mixed_qkv.shape
-    nv, dk, dv = recurrent_state.shape[1:]
-    nk = num_k_heads
     for t in (mixed_qkv, z, a, b, recurrent_state):
         assert t.is_contiguous()
-    dtype, device = mixed_qkv.dtype, mixed_qkv.device
-    BK, BV = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))  # tl.dot needs >= 16
+    dk, dv = recurrent_state.shape[2:]
     qkv = causal_conv1d(mixed_qkv, conv_state, conv_weight)  # [B, T, C]
-
-    n_chunks = triton.cdiv(T, CHUNK)
-    Tp = n_chunks * CHUNK
-    u = torch.empty(B, nv, Tp, dv, dtype=dtype, device=device)
-    w = torch.empty(B, nv, Tp, dk, dtype=dtype, device=device)
-    gc = torch.empty(B, nv, Tp, dtype=torch.float32, device=device)
-    consts = dict(NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK)
-    _wy_kernel[(n_chunks, B * nv)](qkv, a, b, A_log, dt_bias, u, w, gc, T, Tp, C, **consts, BV=BV, num_warps=4)
-
-    o = torch.empty(B, T, nv, dv, dtype=dtype, device=device)
-    BVS = min(BV, 64)  # state tile [dk, 64]: more programs, fewer registers
-    _chunk_state_kernel[(triton.cdiv(dv, BVS), B * nv)](
-        qkv, u, w, gc, recurrent_state, o, T, Tp, C, dk**-0.5, **consts, BV=BVS, num_warps=4
-    )
-
-    out = torch.empty(B, T, nv * dv, dtype=dtype, device=device)
-    n_rows, BR = B * T * nv, 16
-    _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](o, z, norm_weight, out, n_rows, eps, D=dv, BR=BR, BD=BV)
-    return out
+    u, w, gc = wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads, dk, dv)
+    o = chunk_delta_rule(qkv, u, w, gc, recurrent_state, num_k_heads)
+    return gated_norm(o, z, norm_weight, eps)

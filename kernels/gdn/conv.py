@@ -70,7 +70,7 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     KW = weight.shape[-1]
     assert x.is_contiguous() and conv_state.is_contiguous() and weight.is_contiguous()
     out = torch.empty_like(x)
-    BT, BC = 32, 128
+    BT, BC = 16, 128
     assert BT >= KW - 1, "only the first time block reads the conv state"
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
     _causal_conv1d_kernel[grid](

@@ -15,17 +15,19 @@ from kernels.gdn.gates import gates
 @triton.jit
 def _conv_step(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """SiLU(conv) of one new token for channels ch [N]; shifts the token into the conv state [C, KW-1]."""
-    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
-    acc = x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(KW - 1):
-        s = tl.load(conv_ptr + ch * (KW - 1) + j, mask=mask, other=0.0)
-        acc += s.to(tl.float32) * tl.load(w_ptr + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
-        if j > 0:
-            # replicated lanes may still be reading slot j-1: wait for every read before overwriting it
-            tl.debug_barrier()
-            tl.store(conv_ptr + ch * (KW - 1) + j - 1, s, mask=mask)
+    KP: tl.constexpr = triton.next_power_of_2(KW - 1)
+    j = tl.arange(0, KP)
+    slots = conv_ptr + ch[:, None] * (KW - 1) + j[None, :]  # [N, KP]
+    old = tl.load(slots, mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
+    shifted = tl.load(slots + 1, mask=mask[:, None] & (j < KW - 2)[None, :], other=0.0)  # old slot j + 1
+    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)  # [N]
+    w_old = tl.load(w_ptr + ch[:, None] * KW + j[None, :], mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
+    acc = tl.sum(old.to(tl.float32) * w_old.to(tl.float32), axis=1)
+    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0).to(tl.float32)
+    # replicated lanes may still be reading the old state: every read happens before the first write
     tl.debug_barrier()
-    tl.store(conv_ptr + ch * (KW - 1) + KW - 2, x, mask=mask)
+    new = tl.where((j == KW - 2)[None, :], x[:, None], shifted)
+    tl.store(slots, new, mask=mask[:, None] & (j < KW - 1)[None, :])
     y = acc * tl.sigmoid(acc)
     return y.to(OUT_DTYPE).to(tl.float32)  # the reference rounds the conv output to the activation dtype
 
@@ -71,11 +73,11 @@ def _decode_kernel(
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
     for r in tl.static_range(G):
         h = hk * G + r
+        s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
+        s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV], issued first: the long wait
         v = _conv_step(x_row, conv_row, conv_w_ptr, 2 * NK * DK + h * DV + iv, mv, KW, dtype)  # [BV]
         g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
-
-        s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
-        s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0) * tl.exp(g)  # [BK, BV]
+        s *= tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
         s += k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)  # [BV]

@@ -114,7 +114,7 @@ def test_decode(poison, B, dims):
         (3, 65, SMALL),  # batch 3, one token into the second chunk
         (1, 65, dict(nk=2, nv=6, dk=8, dv=12)),  # 3 value heads per key head, dims padded to the dot's 16
         (1, 500, SMALL),  # 8 chunks, the last one partial (500 = 7 * 64 + 52)
-        (1, 130, dict(nk=1, nv=1, dk=32, dv=128)),  # dv split into two 64-wide state tiles
+        (1, 130, dict(nk=1, nv=1, dk=32, dv=128)),  # dv split over four 32-wide state tiles
     ],
 )
 def test_prefill(poison, B, T, dims):
