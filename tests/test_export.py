@@ -405,15 +405,22 @@ def memcpys_seen_by_profiler(run) -> list[tuple[str, int]]:
     )
 
 
+@pytest.fixture(scope="module")
+def gpu():
+    """(tiny model on the GPU, exports per split), made once for the GPU tests."""
+    model = build_model(ModelConfig(**TINY), torch.float32, "cuda", seed=0)
+    model.setup_caches(B, S)
+    return model, {split: export_methods(model, split, B, S) for split in METHOD_SPLITS}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", METHOD_SPLITS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_methods_match_eager_and_ledger_matches_profiler(preset, split):
+def test_gpu_methods_match_eager_and_ledger_matches_profiler(gpu, preset, split):
     """On the GPU: greedy tokens equal the eager model's; the ledger holds one record per copy node (or per
     delegate copy under baseline) with the bytes moved; in decode it equals the profiler's memcpys exactly."""
-    model = build_model(ModelConfig(**TINY), torch.float32, "cuda", seed=0)
-    model.setup_caches(B, S)
-    prog = export_program(model, settings(preset, split), B, S)
+    model, exported = gpu
+    prog = program(model, exported, preset, split)
     assert prog.delegate_device == "cuda:0" and set(prog.arenas) <= {"cpu", "cuda:0"}
     on_device = preset == "copy_elided"
     where = "cuda" if on_device else "cpu"
