@@ -298,8 +298,8 @@ def _(q, k, q_weight, k_weight, positions, inv_freq, eps):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
-@torch.library.custom_op("qmoe_attention::decode_attention", mutates_args=("k_cache", "v_cache"))
-def _decode_attention_op(
+@torch.library.custom_op("qmoe_attention::attention", mutates_args=("k_cache", "v_cache"))
+def _attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -308,36 +308,21 @@ def _decode_attention_op(
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    B, _, HQ, D = q.shape
-    splits = num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
+    # One op for every T: the decode/prefill choice happens here, at run time, so torch.export with a
+    # dynamic T records no guard on T == 1.
+    B, T, HQ, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    o_part = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
-    decode_attention_into(q, k, v, k_cache, v_cache, positions, scale, out, o_part, lse_part)
+    if T == 1:
+        splits = num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
+        o_part = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+        decode_attention_into(q, k, v, k_cache, v_cache, positions, scale, out, o_part, lse_part)
+    else:
+        prefill_attention_into(q, k, v, k_cache, v_cache, positions, scale, out)
     return out
 
 
-@_decode_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, positions, scale):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-@torch.library.custom_op("qmoe_attention::prefill_attention", mutates_args=("k_cache", "v_cache"))
-def _prefill_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    prefill_attention_into(q, k, v, k_cache, v_cache, positions, scale, out)
-    return out
-
-
-@_prefill_attention_op.register_fake
+@_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, positions, scale):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
@@ -366,6 +351,4 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA attention of T new tokens over the cache (rows at their own positions) -> [B, T, Hq, D].
     Decode (T == 1) runs the split-K flash-decoding kernels, prefill the causal flash-attention kernel."""
-    if q.shape[1] == 1:
-        return _decode_attention_op(q, k, v, k_cache, v_cache, positions, scale)
-    return _prefill_attention_op(q, k, v, k_cache, v_cache, positions, scale)
+    return _attention_op(q, k, v, k_cache, v_cache, positions, scale)

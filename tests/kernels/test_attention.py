@@ -140,26 +140,38 @@ def test_attention_through_public_op(T):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_decode_exports():
-    """qk_norm_rope + decode attention export with torch.export (custom ops with fakes, cache mutation
-    declared), and the exported program updates the caches like the eager op."""
+def test_exports_with_dynamic_T():
+    """qk_norm_rope + attention export with torch.export over a dynamic T (custom ops with fakes, cache
+    mutation declared, the decode/prefill choice inside the op), and the exported program updates the
+    caches and returns what naive does, for decode and prefill shapes alike."""
 
-    class Decode(torch.nn.Module):
+    class Attention(torch.nn.Module):
         def forward(self, q, k, v, k_cache, v_cache, positions, q_w, k_w, inv_freq):
             q, k = tri.qk_norm_rope(q, k, q_w, k_w, positions, inv_freq, EPS)
             return tri.attention(q, k, v, k_cache, v_cache, positions, 32**-0.5)
 
-    q, k, v, k_cache, v_cache, pos = make_decode(2, 4, 2, 32, 96, [70, 5], torch.float32, "cpu")
-    q_w, k_w = 0.1 * torch.randn(2, 32)
-    args = (q, k, v, k_cache, v_cache, pos, q_w, k_w, make_inv_freq(8, "cpu"))
-    program = torch.export.export(Decode(), tuple(a.clone() for a in args))
+    def inputs(T, seed):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, T, h, 32, generator=gen) for h in (4, 2, 2))
+        k_cache, v_cache = torch.randn(2, 2, 2, 96, 32, generator=gen)
+        positions = torch.tensor([[60], [5]]) + torch.arange(T)  # [B, T]
+        q_w, k_w = 0.1 * torch.randn(2, 32, generator=gen)
+        return q, k, v, k_cache, v_cache, positions, q_w, k_w, make_inv_freq(8, "cpu")
+
+    T = torch.export.Dim("T", min=1, max=32)
+    dynamic = ({1: T}, {1: T}, {1: T}, {}, {}, {1: T}, {}, {}, {})
+    program = torch.export.export(Attention(), inputs(3, 0), dynamic_shapes=dynamic, strict=False)
     graph = str(program.graph)
-    assert "qmoe_attention.decode_attention" in graph and "qmoe_attention.qk_norm_rope" in graph
-    eager_caches = (k_cache.clone(), v_cache.clone())
-    eager = Decode()(q, k, v, *eager_caches, *args[5:])
-    exported = program.module()(*args)
-    assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
-    assert torch.equal(exported, eager)
+    assert "qmoe_attention.attention" in graph and "qmoe_attention.qk_norm_rope" in graph
+    for t in (1, 5):
+        args = inputs(t, t)
+        q, k, v, k_cache, v_cache, positions, q_w, k_w, inv_freq = args
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        q_ref, k_normed = naive.qk_norm_rope(q, k, q_w, k_w, positions, inv_freq, EPS)
+        ref = naive.attention(q_ref, k_normed, v, k_ref, v_ref, positions, 32**-0.5)
+        out = program.module()(*args)
+        assert torch.allclose(k_cache, k_ref, atol=1e-6) and torch.equal(v_cache, v_ref)
+        assert rel_err(out, ref) < TOL[torch.float32]
 
 
 TINY = ModelConfig(
@@ -184,6 +196,7 @@ def greedy(model, tokens, steps):
     return torch.stack(out, 1), torch.stack(logits)
 
 
+@pytest.mark.slow
 def test_tiny_model_greedy_matches_torch():
     """Tiny model in fp32: attention and norm kernels on triton give torch's greedy tokens (batch 2)."""
     model = build_model(TINY, torch.float32, "cpu", seed=1)
@@ -193,6 +206,25 @@ def test_tiny_model_greedy_matches_torch():
     tokens_tri, logits_tri = greedy(model, tokens, 5)
     assert torch.equal(tokens_tri, ref_tokens)
     assert rel_err(logits_tri, ref_logits) < 1e-5
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_tiny_model_decode_step_exports():
+    """The tiny model's decode step with attention and norm on triton exports with torch.export, and the
+    exported program writes the model's KV caches and returns the eager logits."""
+    model = build_model(TINY, torch.float32, "cpu", seed=1)
+    model.set_kernels({"attention": "triton", "norm": "triton"})
+    model.setup_caches(2, 16)
+    tokens, input_pos = torch.randint(0, TINY.vocab_size, (2, 1)), torch.tensor([3, 7])  # rows at their own positions
+    program = torch.export.export(model, (tokens, input_pos), strict=False)
+    model.reset_caches()
+    exported = program.module()(tokens, input_pos)
+    exported_cache = model.layers[1].self_attn.k_cache.clone()
+    model.reset_caches()
+    eager = model(tokens, input_pos)
+    assert exported_cache.abs().sum() > 0 and torch.equal(exported_cache, model.layers[1].self_attn.k_cache)
+    assert torch.equal(exported, eager)
 
 
 @pytest.mark.gpu
