@@ -1,4 +1,5 @@
-"""Chunked gated delta rule for prefill (T > 1), chunk 64 in the WY/UT form, in three launches:
+"""Chunked gated delta rule for prefill (T > 1), chunk 64 in the WY/UT form: after the causal conv
+(conv.py), three launches:
 
 1. `_wy_kernel`, parallel over (chunk, batch * value head): per chunk, A = strictly-lower beta k k^T decay,
    T = (I + A)^-1 (16x16 diagonal blocks by forward substitution, off-diagonal blocks by block
@@ -83,7 +84,7 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
                NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     chunk, bh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = NK * G
+    NV = NK * G
     b, h = bh // NV, bh % NV
     hk = h // G
     t0, bt0 = chunk * 64, b * T
@@ -149,7 +150,7 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, o_ptr, T, Tp, 
                         NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     pid_v, bh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = NK * G
+    NV = NK * G
     b, h = bh // NV, bh % NV
     hk = h // G
     ik, iv = tl.arange(0, BK), pid_v * BV + tl.arange(0, BV)

@@ -13,9 +13,9 @@ from kernels.gdn.gates import gates
 
 
 @triton.jit
-def _conv_step(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU(conv) of one new token for channels ch [N]; shifts the token into the conv state [C, KW-1]."""
-    KP: tl.constexpr = triton.next_power_of_2(KW - 1)
+def _conv_step(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """SiLU(conv) of one new token for channels ch [N]; shifts the token into the conv state [C, KW-1]
+    (KP = next power of two >= KW-1: the state slots as one tile)."""
     j = tl.arange(0, KP)
     slots = conv_ptr + ch[:, None] * (KW - 1) + j[None, :]  # [N, KP]
     old = tl.load(slots, mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
@@ -58,24 +58,25 @@ def _decode_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     KW: tl.constexpr,
+    KP: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
     b, hk = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = NK * G
+    NV = NK * G
     dtype = out_ptr.dtype.element_ty
     x_row, conv_row = x_ptr + b * C, conv_ptr + b * C * (KW - 1)
     ik, iv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = ik < DK, iv < DV
 
-    q = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, hk * DK + ik, mk, KW, dtype)) * scale  # [BK]
-    k = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, (NK + hk) * DK + ik, mk, KW, dtype))  # [BK]
+    q = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, hk * DK + ik, mk, KW, KP, dtype)) * scale  # [BK]
+    k = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, (NK + hk) * DK + ik, mk, KW, KP, dtype))  # [BK]
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
     for r in tl.static_range(G):
         h = hk * G + r
         s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
         s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV], issued first: the long wait
-        v = _conv_step(x_row, conv_row, conv_w_ptr, 2 * NK * DK + h * DV + iv, mv, KW, dtype)  # [BV]
+        v = _conv_step(x_row, conv_row, conv_w_ptr, 2 * NK * DK + h * DV + iv, mv, KW, KP, dtype)  # [BV]
         g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
         s *= tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
@@ -103,10 +104,11 @@ def gated_delta_net_decode(
         assert t.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    kw = conv_weight.shape[-1]
     _decode_kernel[(B, nk)](
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, out,
         C, eps, dk**-0.5,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=conv_weight.shape[-1], BK=BK, BV=BV,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV,
         num_warps=8 if BK * BV >= 128 * 64 else 4,
     )  # fmt: skip
     return out
