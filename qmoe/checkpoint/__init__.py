@@ -2,8 +2,19 @@
 and the tokenizer."""
 
 from qmoe.checkpoint.loader import CheckpointError, CheckpointInfo, load_checkpoint, read_config, read_eos_token_ids
-from qmoe.checkpoint.synth import save_model, write_checkpoint, write_tokenizer
 from qmoe.checkpoint.tokenizer import Tokenizer, load_tokenizer, special_token_ids
+
+SYNTH_NAMES = ("save_model", "write_checkpoint", "write_tokenizer")
+
+
+def __getattr__(name: str):
+    # synth is imported on first use, so `python -m qmoe.checkpoint.synth` does not import it twice
+    if name in SYNTH_NAMES:
+        from qmoe.checkpoint import synth
+
+        return getattr(synth, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointError",
@@ -13,8 +24,6 @@ __all__ = [
     "load_tokenizer",
     "read_config",
     "read_eos_token_ids",
-    "save_model",
     "special_token_ids",
-    "write_checkpoint",
-    "write_tokenizer",
+    *SYNTH_NAMES,
 ]
