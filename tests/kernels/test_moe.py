@@ -55,6 +55,8 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M,H,E,I,K,experts,reason", CASES, ids=[c[-1].split(":")[0] for c in CASES])
 def test_fused_moe_paths(M, H, E, I, K, experts, reason, dtype, decode):
+    """Both regimes on every shape. The op's scratch (h [P, I], partials [P, H]) is NaN-filled, and every output
+    row is a sum of partials, so a pair row either kernel fails to write reaches the output as NaN."""
     x, w13, w2 = make_experts(M, H, E, I, dtype)
     weights, ids = make_routing(M, E, K, experts)
     h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
