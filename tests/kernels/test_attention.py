@@ -264,6 +264,28 @@ def test_tiny_model_greedy_matches_torch_gpu():
     assert rel_err(logits_tri, ref_logits) < 1e-4
 
 
+@torch.no_grad()
+def logits_along(model, tokens, continuation):
+    """Logits [1 + steps, B, V] of the prompt's last token and then of each forced continuation token."""
+    B, T = tokens.shape
+    model.setup_caches(B, T + continuation.shape[1] + 1)
+    out = [model(tokens, torch.zeros(B, dtype=torch.int64, device=tokens.device))]
+    for s in range(continuation.shape[1]):
+        out.append(model(continuation[:, s : s + 1], torch.full((B,), T + s, device=tokens.device)))
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+def test_tiny_model_bf16_logits_gpu():
+    """bf16: along torch's greedy continuation, the triton path's logits agree within bf16 tolerance."""
+    model = build_model(TINY, torch.bfloat16, "cuda", seed=1)
+    tokens = torch.randint(0, TINY.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2)).cuda()
+    ref_tokens, _ = greedy(model, tokens, 24)
+    ref = logits_along(model, tokens, ref_tokens[:, :-1])
+    model.set_kernels({"attention": "triton", "norm": "triton"})
+    assert rel_err(logits_along(model, tokens, ref_tokens[:, :-1]), ref) < 3e-2
+
+
 @pytest.mark.gpu
 def test_decode_attention_cuda_graph():
     """The decode op captures into a CUDA graph (no host sync, grid from static shapes) and the replay
