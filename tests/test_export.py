@@ -283,7 +283,7 @@ def test_buffers_are_reused_and_outputs_are_planned_views(model, exported):
     arena = prog.arenas["cpu"]
     assert arena.data_ptr() <= ptr < arena.data_ptr() + arena.numel()
     # a caller that fills the planned input buffer in place skips the input copy
-    buf = forward.buffer("tokens", (B, 3))
+    buf = forward.input_buffer("tokens", (B, 3))
     buf.copy_(tokens)
     (third,) = forward(buf, pos)
     assert torch.equal(third, second)

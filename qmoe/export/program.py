@@ -67,7 +67,7 @@ class Method:
     """One method of a Program: `method(*inputs, ledger=None) -> tuple of outputs`.
 
     Inputs are copied into their planned buffers (no copy when the caller passes the buffer itself: fill
-    `buffer(input_name, shape)` in place); outputs are views into the planned arena, valid until this method
+    `input_buffer(name, shape)` in place); outputs are views into the planned arena, valid until this method
     runs again. Copy nodes copy between planned buffers and are recorded in the ledger ("copy_node"); with
     planning off the delegate moves its host inputs to its device and its outputs back itself, recorded as
     "delegate". A copy whose
@@ -80,7 +80,7 @@ class Method:
     def __init__(self, name: str, graph: fx.GraphModule, plan: ProgramPlan, arenas, delegate, device: str):
         self.name, self.graph, self.plan, self.delegate = name, graph, plan, delegate
         self.device = device  # the delegate device
-        self.arenas = arenas  # device -> uint8 tensor, None for a plan-only program
+        self.arenas = arenas  # device -> uint8 tensor (the Program's dict: replacing an entry re-binds), or None
         self.allocations = {a.tensor: a for a in plan.allocations if a.method == name}
         self.nodes = list(graph.graph.nodes)
         self.inputs = [n for n in self.nodes if n.op == "placeholder"]
@@ -102,6 +102,10 @@ class Method:
         if nbytes > a.nbytes:
             raise ExportError(f"method {self.name}: {tensor} of shape {tuple(shape)} exceeds its plan {a.shape}")
         return self.arenas[a.device][a.offset : a.offset + nbytes].view(dtype).view(shape)
+
+    def input_buffer(self, name: str, shape=None) -> torch.Tensor:
+        """Where input `name` lives: fill it in place and pass it back to skip the input copy."""
+        return self.buffer(name, shape)
 
     def delegate_inputs(self, shapes=None) -> list[torch.Tensor]:
         """The planned buffers the delegate reads (planning on), at their upper-bound shapes by default."""
