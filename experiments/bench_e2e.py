@@ -133,7 +133,7 @@ def main():
     ceil = ceilings(device)
 
     base = config(*model_args)
-    model, _ = get_model(base, validate(base), progress=False)
+    model = get_model(base, validate(base), progress=False).model
     active_bytes = model.config.param_counts()["active"] * model.dtype.itemsize
     floor_ms = active_bytes / (ceil["copy_gbs"] * 1e9) * 1e3
 

@@ -6,6 +6,7 @@ cuda_native, over exported programs) -> generation -> metrics -> results.json (+
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,41 +21,44 @@ from qmoe.settings import ConfigError, Settings, validate
 
 SCHEMA_VERSION = 1
 
+
+class LoadedModel(NamedTuple):
+    model: Qwen35MoE
+    identity: dict  # where the weights came from: random seed + arch, or the checkpoint's file hashes
+    tokenizer: object | None  # qmoe.checkpoint.Tokenizer when the checkpoint has tokenizer.json
+
+
 # Weights built or loaded once per process and reused by every run (and multirun job) with the same key.
-_MODELS: dict[tuple, tuple[Qwen35MoE, dict]] = {}
+_MODELS: dict[tuple, LoadedModel] = {}
 
 
-def get_model(cfg: DictConfig, s: Settings, progress: bool) -> tuple[Qwen35MoE, dict]:
-    """(model, weights identity) for cfg.model, cached per process."""
+def get_model(cfg: DictConfig, s: Settings, progress: bool) -> LoadedModel:
+    """The model for cfg.model (random from its seed, or the checkpoint's), cached per process."""
     overrides = OmegaConf.to_container(cfg.model.arch_overrides) if cfg.model.get("arch_overrides") else {}
     if s.checkpoint is not None:
-        key = (
-            "checkpoint",
-            str(Path(s.checkpoint).resolve()),
-            s.dtype,
-            str(s.device),
-            tuple(sorted(overrides.items())),
-        )
+        key = ("checkpoint", str(Path(s.checkpoint).resolve()), s.dtype, str(s.device), repr(sorted(overrides.items())))
     else:
         arch = OmegaConf.to_container(cfg.model.arch)
         key = ("random", repr(sorted(arch.items())), int(cfg.model.seed), s.dtype, str(s.device))
     if key not in _MODELS:
         _MODELS.clear()  # hold one set of weights at a time: the 35B shape takes most of a GPU
         if s.checkpoint is not None:
-            from qmoe.checkpoint import load_checkpoint
+            from qmoe.checkpoint import load_checkpoint, load_tokenizer
 
             model, info = load_checkpoint(
                 s.checkpoint, dtype=s.dtype, device=s.device, arch_overrides=overrides, progress=progress
             )
-            identity = {"kind": "checkpoint", **info.identity()}
+            loaded = LoadedModel(model, {"kind": "checkpoint", **info.to_dict()}, load_tokenizer(s.checkpoint))
         else:
             try:
                 model_cfg = ModelConfig.from_dict(arch)
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e).splitlines()[0]) from None
             model = build_model(model_cfg, s.dtype, s.device, seed=int(cfg.model.seed), progress=progress)
-            identity = {"kind": "random", "seed": int(cfg.model.seed), "arch": model_cfg.to_dict()}
-        _MODELS[key] = (model, identity)
+            loaded = LoadedModel(
+                model, {"kind": "random", "seed": int(cfg.model.seed), "arch": model_cfg.to_dict()}, None
+            )
+        _MODELS[key] = loaded
     return _MODELS[key]
 
 
@@ -106,11 +110,10 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress:
     run_dir = Path(run_dir or "outputs/latest")
     reset_peak_memory()
     t0 = time.perf_counter()
-    model, identity = get_model(cfg, s, progress)
+    model, identity, tokenizer = get_model(cfg, s, progress)
     model_ready_s = time.perf_counter() - t0
     mcfg = model.config
 
-    tokenizer = getattr(model, "tokenizer", None)
     prompts = build_prompts(cfg.prompt, s.batch_size, mcfg.vocab_size, tokenizer)
     check_fits(prompts, s.max_new_tokens, s.max_seq_len)
     model.set_kernels(s.kernels)
@@ -119,7 +122,9 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress:
 
     ledger = TransferLedger()
     runner = make_runner(s, model, cfg, ledger)
-    eos = mcfg.eos_token_ids if bool(cfg.generation.stop_on_eos) else ()
+    eos = (
+        (tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids) if cfg.generation.stop_on_eos else ()
+    )
     warmup_steps = int(OmegaConf.select(cfg, "runtime.warmup_steps", default=0))
     warmup_ms = None
     if warmup_steps > 0:  # compile / autotune / allocate outside the measured run

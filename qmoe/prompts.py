@@ -40,6 +40,10 @@ def build_prompts(prompt: DictConfig, batch_size: int, vocab_size: int, tokenize
         )
         rows = [tokenizer.encode(t, chat=bool(prompt.chat)) for t in texts]
         require(all(rows), "prompt.text", "encodes to no tokens")
+        top = max(max(r) for r in rows)
+        require(
+            top < vocab_size, "prompt.text", f"the tokenizer gives id {top}, outside the model's vocab {vocab_size}"
+        )
         return rows
     length = prompt.length
     require(isinstance(length, int) and length >= 1, "prompt.length", "must be an integer >= 1", length)

@@ -1,0 +1,105 @@
+"""`python run.py model.checkpoint=DIR` on checkpoints written by transformers and by qmoe's writer."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from qmoe.checkpoint import write_checkpoint, write_tokenizer
+from qmoe.model import ModelConfig, build_model
+from qmoe.model.hf import to_transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+# vocab 512 holds the 256 byte tokens, the BPE merges and Qwen's special tokens at the top ids
+TINY = ModelConfig.from_dict(
+    dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+)
+
+
+def run_cli(tmp_path, *args) -> dict:
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "run.py", "logger=none", f"hydra.run.dir={out}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads((out / "results.json").read_text())
+
+
+@torch.no_grad()
+def test_save_pretrained_checkpoint_generates_like_transformers(tmp_path):
+    hf = to_transformers(build_model(TINY, torch.float32, "cpu", seed=11))
+    hf.save_pretrained(tmp_path / "ckpt")
+    prompt = [5, 77, 300, 12, 9, 140]
+    results = run_cli(
+        tmp_path, f"model.checkpoint={tmp_path / 'ckpt'}", f"prompt.token_ids={prompt}", "generation.max_new_tokens=10"
+    )
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert results["generated"]["token_ids"][0] == expected[0, len(prompt) :].tolist()
+    assert results["model"]["weights"]["kind"] == "checkpoint"
+    assert results["generated"]["text"] is None  # no tokenizer.json: no text is invented
+
+
+def test_text_prompt_through_tokenizer_and_eos_stop(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(
+        TINY,
+        ckpt,
+        seed=0,
+        dtype=torch.float32,
+        expert_layout="fused",
+        prefix="model.language_model.",
+        shard_bytes=1 << 20,
+    )
+    tok = write_tokenizer(ckpt, TINY.vocab_size)
+    assert tok.exists()
+    free = run_cli(
+        tmp_path,
+        f"model.checkpoint={ckpt}",
+        "prompt.text=hello world",
+        "prompt.chat=true",
+        "generation.stop_on_eos=false",
+        "generation.max_new_tokens=6",
+    )
+    ids = free["generated"]["token_ids"][0]
+    assert isinstance(free["generated"]["text"][0], str) and len(ids) == 6
+    from qmoe.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(ckpt)
+    assert free["prompt"]["token_ids"][0] == tokenizer.encode("hello world", chat=True)
+    assert free["generated"]["text"][0] == tokenizer.decode(ids)
+    # Declare a token the model produces as EOS in generation_config.json: generation stops right after it.
+    stop_at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    gen_cfg = json.loads((ckpt / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [ids[stop_at]]
+    (ckpt / "generation_config.json").write_text(json.dumps(gen_cfg))
+    stopped = run_cli(
+        tmp_path,
+        f"model.checkpoint={ckpt}",
+        "prompt.text=hello world",
+        "prompt.chat=true",
+        "generation.max_new_tokens=6",
+    )
+    assert stopped["generated"]["token_ids"][0] == ids[: stop_at + 1]
