@@ -2,9 +2,9 @@
 (conv.py), three launches:
 
 1. `_wy_kernel`, parallel over (chunk, batch * value head): per chunk, A = strictly-lower beta k k^T decay,
-   T = (I + A)^-1 (16x16 diagonal blocks by forward substitution, off-diagonal blocks by block
-   substitution with tl.dot), u = T (beta v) and w = T (beta exp(gc) k); stores u, w and the in-chunk
-   cumulative log decay gc.
+   T = (I + A)^-1 (16x16 diagonal blocks by forward substitution, all four at once; off-diagonal
+   blocks by block substitution with tl.dot), u = T (beta v) and w = T (beta exp(gc) k); stores u, w
+   and the in-chunk cumulative log decay gc.
 2. `_chunk_state_kernel`, per (value block, batch * value head), sequential over chunks with the fp32
    state [dk, BV] in registers: v_new = u - w S, o = (q exp(gc)) S + (q k^T decay, causal) v_new,
    S <- exp(gc_last) S + (k exp(gc_last - gc))^T v_new. Starts from and leaves the recurrent state.
@@ -57,20 +57,27 @@ def _kkt(k_i, norm_i, beta_i, gc_i, k_j, norm_j, gc_j, DIAG: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(a):
-    """(I + a)^-1 for a strictly lower [16, 16], by forward substitution one row at a time."""
-    rows, cols = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
-    inv = tl.where(rows == cols, 1.0, 0.0)
-    for i in range(1, 16):
-        a_i = tl.sum(tl.where(rows == i, a, 0.0), axis=0)  # [16] row i of a; zero from column i on
-        inv -= tl.where(rows == i, tl.sum(a_i[:, None] * inv, axis=0)[None, :], 0.0)  # rows < i are final
-    return inv
-
-
-@triton.jit
 def _dot(a, b):
     # the small block products of the inverse stay in full fp32 (no tf32 on the GPU)
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv_unit_lower4(a0, a1, a2, a3):
+    """(I + a)^-1 of four strictly lower [16, 16] blocks, by forward substitution one row at a time (exact
+    up to rounding even when the powers of a grow large). The four are stacked in two trailing dims of size 2
+    so that each step is one reduction for all of them."""
+    a = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [16, 16, 2, 2]
+    rows = tl.arange(0, 16)[:, None, None, None]
+    cols = tl.arange(0, 16)[None, :, None, None]
+    inv = tl.where(rows == cols, 1.0, 0.0) + tl.zeros_like(a)
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(rows == i, a, 0.0), axis=0)  # [16, 2, 2] row i of each block, zero from column i
+        inv -= tl.where(rows == i, tl.sum(a_i[:, None] * inv, axis=0)[None], 0.0)  # rows < i are final
+    inv01, inv23 = tl.split(inv)
+    inv0, inv1 = tl.split(inv01)
+    inv2, inv3 = tl.split(inv23)
+    return inv0, inv1, inv2, inv3
 
 
 @triton.jit
@@ -102,10 +109,12 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     )
 
     # T = (I + A)^-1 block by block: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    d0 = _inv_unit_lower(_kkt(k0, n0, beta0, gc0, k0, n0, gc0, True))
-    d1 = _inv_unit_lower(_kkt(k1, n1, beta1, gc1, k1, n1, gc1, True))
-    d2 = _inv_unit_lower(_kkt(k2, n2, beta2, gc2, k2, n2, gc2, True))
-    d3 = _inv_unit_lower(_kkt(k3, n3, beta3, gc3, k3, n3, gc3, True))
+    d0, d1, d2, d3 = _inv_unit_lower4(
+        _kkt(k0, n0, beta0, gc0, k0, n0, gc0, True),
+        _kkt(k1, n1, beta1, gc1, k1, n1, gc1, True),
+        _kkt(k2, n2, beta2, gc2, k2, n2, gc2, True),
+        _kkt(k3, n3, beta3, gc3, k3, n3, gc3, True),
+    )
     a10 = _kkt(k1, n1, beta1, gc1, k0, n0, gc0, False)
     a20 = _kkt(k2, n2, beta2, gc2, k0, n0, gc0, False)
     a21 = _kkt(k2, n2, beta2, gc2, k1, n1, gc1, False)

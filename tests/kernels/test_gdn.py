@@ -125,6 +125,24 @@ def test_prefill(poison, B, T, dims):
     check(out, ref, x, x_ref, 1e-5, 1e-5)
 
 
+def test_prefill_near_identical_keys(poison):
+    """The hardest case for the triangular inverse: every key almost the same direction, beta near 1 and
+    almost no decay, so A is close to the all-ones strictly lower matrix and its powers grow large."""
+    dims = SMALL
+    x = make_inputs(1, 128, **dims, seed=7)
+    C_qk = dims["nk"] * dims["dk"]
+    common = torch.randn(dims["dk"]).repeat(dims["nk"])  # [nk * dk]
+    x["mixed_qkv"][..., C_qk : 2 * C_qk] = common + 0.05 * torch.randn(1, 128, C_qk)
+    x["conv_weight"][C_qk : 2 * C_qk] = torch.tensor([0.0, 0.0, 0.0, 1.0]).view(1, 1, 4)  # k = silu(x): no mixing
+    x["conv_state"][:, C_qk : 2 * C_qk] = common[:, None]
+    x["b"].fill_(6.0)  # beta ~ 0.998
+    x["A_log"].fill_(-8.0)  # exp(A_log) ~ 3e-4: decay ~ 1
+    x_ref = clone(x)
+    out = run(gdn_triton, x, dims["nk"])
+    ref = run(naive, x_ref, dims["nk"])
+    check(out, ref, x, x_ref, 1e-4, 1e-4)
+
+
 def test_prefill_decode_decode_carries_state(poison):
     """Prefill 65 tokens, then two decode steps, each from the states the previous call left."""
     B, nk = 3, SMALL["nk"]
