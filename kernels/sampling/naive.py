@@ -1,14 +1,20 @@
 """PyTorch sampler with the semantics of the Triton one: the `host` runner's sampler and the tests' oracle.
 
-Semantics (per row b):
-- temperature == 0: greedy, argmax with the lowest index on ties.
+Semantics (per row b; parameters are [B] tensors, scalars broadcast):
+- temperature <= 0: greedy, argmax with the lowest index on ties.
 - otherwise p = softmax(logits / temperature), then each filter keeps the tokens at or above a threshold
-  (ties at a cut are all kept): top-k (k <= 0: off) keeps p >= the k-th largest p; top-p (1: off) keeps the
-  smallest set of highest tokens whose mass, renormalised after top-k, reaches top_p; min-p (0: off) keeps
-  p >= min_p * max(p). One token is drawn from the kept set in proportion to p by an exponential race:
-  argmax p_i / E_i with E_i = -log(U_i), U_i a hash of (seed, step, token index) -- not of the row, so
-  equal inputs give equal tokens at any batch position, and nothing depends on a global generator.
-- a row with a NaN logit gives INVALID_TOKEN (-1); a +inf logit wins (lowest such index); -inf is never drawn.
+  (ties at a cut are all kept): top-k (k <= 0 or k >= V: off) keeps p >= the k-th largest p; top-p (>= 1: off)
+  keeps the smallest set of highest tokens whose mass, renormalised after top-k, reaches top_p; min-p (0: off,
+  clamped to <= 1) keeps p >= min_p * max(p). One token is drawn from the kept set in proportion to p by an
+  exponential race: argmax p_i / E_i with E_i = -log(U_i), U_i uniform from (seed, step, token index) -- not
+  the row, so equal inputs give equal tokens at any batch position, and nothing depends on a global generator.
+- a row with a NaN logit, or with every logit -inf, gives INVALID_TOKEN (-1), never a real token id;
+  an +inf logit wins (the lowest such index, also when sampling); a -inf logit is never drawn.
+
+Randomness: this version hashes (seed, step, token index) with a 32-bit integer mixer; the Triton kernel
+uses Philox, whose bits this one does not reproduce. The two agree exactly on greedy and in distribution
+otherwise. This one computes in float64, the kernel in float32: a cut that falls within float32 rounding of
+a token can differ, nothing else.
 """
 
 import torch
@@ -32,7 +38,7 @@ def filter_probs(probs: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
     B, V = probs.shape
     keep = probs > 0
     sorted_p = probs.sort(dim=-1, descending=True).values
-    k = top_k.clamp(max=V)
+    k = top_k.long().clamp(max=V)
     kth = sorted_p.gather(1, (k - 1).clamp(min=0)[:, None])
     keep &= torch.where(k[:, None] > 0, probs >= kth, True)
     masked = torch.where(keep, probs, 0)
@@ -57,6 +63,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor
     temperature = per_row(temperature, torch.float64)
     top_k, seed, step = (per_row(x, torch.int64) for x in (top_k, seed, step))
     top_p, min_p = (per_row(x, torch.float64) for x in (top_p, min_p))
+    min_p = min_p.clamp(max=1)
 
     logits = logits.double()
     greedy = logits.argmax(-1)
@@ -68,4 +75,5 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor
     token = torch.where(temperature > 0, drawn, greedy)
     pos_inf = logits == float("inf")
     token = torch.where(pos_inf.any(-1), pos_inf.int().argmax(-1), token)
-    return torch.where(logits.isnan().any(-1), INVALID_TOKEN, token)
+    invalid = logits.isnan().any(-1) | (logits == float("-inf")).all(-1)
+    return torch.where(invalid, INVALID_TOKEN, token)

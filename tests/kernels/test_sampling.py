@@ -1,0 +1,330 @@
+"""Fused sampling kernel vs the float64 filtered distribution and the torch sampler (kernels/sampling/naive.py).
+
+Distribution tests draw one token per row from many rows that share the logits but not `step` (one launch),
+and compare the counts with the exact filtered distribution by a chi-square test with fixed seeds; the same
+test must reject deliberately wrong samplers. Exact tests: greedy / top-k 1 / tiny top-p = argmax, kept set,
+reproducibility, NaN and inf rows, torch.export. GPU tests: V = 248320 in fp32 and bf16, CUDA graph replay.
+"""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from kernels.sampling import naive
+from kernels.sampling import triton as fused
+from tests.helpers import poisoned
+
+# (temperature, top_k, top_p, min_p): each filter alone, combined, at their edges
+COMBOS = [
+    (1.0, 0, 1.0, 0.0),  # plain softmax, no filter: the race over the whole row
+    (0.7, 5, 1.0, 0.0),  # top-k only, below 1 temperature
+    (1.0, 0, 0.8, 0.0),  # top-p only
+    (1.5, 0, 1.0, 0.1),  # min-p only, above 1 temperature
+    (1.0, 10, 0.9, 0.0),  # top-k then top-p renormalised after top-k
+    (0.8, 12, 0.95, 0.05),  # all three
+    (2.0, 3, 1.0, 0.0),  # small k, flat distribution
+    (1.0, 0, 0.5, 0.2),  # top-p and min-p without top-k
+]
+
+
+def params(n, temperature, top_k, top_p, min_p):
+    return (
+        torch.full((n,), temperature),
+        torch.full((n,), top_k, dtype=torch.int64),
+        torch.full((n,), top_p),
+        torch.full((n,), min_p),
+    )
+
+
+def filtered_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """Exact float64 distribution of one row after temperature, top-k, top-p, min-p and renormalisation."""
+    probs = torch.softmax(logits.double()[None] / temperature, -1)
+    keep = naive.filter_probs(probs, *(torch.tensor([v], dtype=torch.float64) for v in (top_k, top_p, min_p)))
+    kept = torch.where(keep, probs, 0)[0]
+    return kept / kept.sum()
+
+
+def chi_square_pvalue(tokens, expected_probs) -> float:
+    """p-value of the counts of `tokens` under `expected_probs` (bins with expected < 5 merged); 0 if a token
+    outside the support was drawn."""
+    n, V = tokens.numel(), expected_probs.numel()
+    counts = torch.bincount(tokens.cpu(), minlength=V).double()
+    if counts[expected_probs == 0].sum() > 0:
+        return 0.0
+    expected = expected_probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum().item()
+    return float(chi2.sf(stat, max(len(exp) - 1, 1)))
+
+
+def draw_combos(sampler, logits, combos, draws, seed=1234):
+    """One call: rows = combos x draws sharing `logits`, step = draw index. -> tokens [len(combos), draws]."""
+    n = len(combos) * draws
+    cols = [torch.tensor([c[i] for c in combos]).repeat_interleave(draws) for i in range(4)]
+    temperature, top_k, top_p, min_p = cols[0].float(), cols[1].long(), cols[2].float(), cols[3].float()
+    step = torch.arange(draws).repeat(len(combos))
+    tokens = sampler(logits.expand(n, -1), temperature, top_k, top_p, min_p, torch.full((n,), seed), step)
+    return tokens.view(len(combos), draws)
+
+
+def test_filtered_distribution_matches_its_definition():
+    # the oracle itself, on a case worked by hand: p = [.5, .25, .125, .125], top-k 3 keeps {0, 1, 2 and 3
+    # (tie)}, top-p 0.7 of that keeps {0, 1}, renormalised to [2/3, 1/3]
+    logits = torch.tensor([3.0, 2.0, 1.0, 1.0]) * torch.log(torch.tensor(2.0))
+    ref = filtered_distribution(logits, 1.0, 3, 0.7, 0.0)
+    torch.testing.assert_close(ref, torch.tensor([2 / 3, 1 / 3, 0, 0], dtype=torch.float64))
+    # min-p 0.3 keeps p >= 0.15: {0, 1}
+    torch.testing.assert_close(filtered_distribution(logits, 1.0, 0, 1.0, 0.3), ref)
+
+
+@pytest.mark.parametrize(
+    "V, draws, cap",
+    [
+        (16, 12_500, None),  # power of two, all gathered in the first pass: 8 combos x 12.5k = 100k draws
+        (43, 4_000, None),  # prime V: a masked tail in every block (the interpreter is slow: fewer draws)
+        (40, 2_000, 8),  # a buffer of 8 slots: most rows take the exact full-row bisection fallback
+    ],
+)
+def test_distribution_chi_square(V, draws, cap):
+    torch.manual_seed(V)
+    logits = torch.randn(V) * 1.5
+    tokens = draw_combos(lambda *a: fused.launch(*a, cap=cap, nt=4), logits, COMBOS, draws)
+    for combo, row in zip(COMBOS, tokens):
+        pvalue = chi_square_pvalue(row, filtered_distribution(logits, *combo))
+        assert pvalue > 1e-3, f"combo {combo}: chi-square p = {pvalue:.2e}"
+
+
+def test_torch_sampler_distribution_chi_square():
+    # the torch sampler (own hash instead of Philox) must pass the same test
+    torch.manual_seed(1)
+    logits = torch.randn(64) * 1.5
+    tokens = draw_combos(naive.sample, logits, COMBOS, 12_500)
+    for combo, row in zip(COMBOS, tokens):
+        assert chi_square_pvalue(row, filtered_distribution(logits, *combo)) > 1e-3, combo
+
+
+def wrong_no_renormalise(logits, temperature, top_k, top_p, min_p, seed, step):
+    """Inverse-CDF draw over the filtered probabilities without renormalising: the missing mass falls on the
+    last kept token."""
+    probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    kept = torch.where(keep, probs, 0)
+    u = torch.rand(len(logits), 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    last = keep.shape[1] - 1 - keep.flip(-1).int().argmax(-1)
+    token = (kept.cumsum(-1) <= u).sum(-1)
+    return torch.minimum(token, last)
+
+
+def wrong_ignores_top_p(logits, temperature, top_k, top_p, min_p, seed, step):
+    return naive.sample(logits, temperature, top_k, torch.ones_like(top_p), min_p, seed, step)
+
+
+@pytest.mark.parametrize("wrong", [wrong_no_renormalise, wrong_ignores_top_p])
+def test_chi_square_rejects_wrong_samplers(wrong):
+    # the same test, same draws, on filtered combos: a sampler that gets the filtering wrong must fail it
+    torch.manual_seed(1)
+    logits = torch.randn(64) * 1.5
+    combos = [c for c in COMBOS if c[2] < 1.0]
+    tokens = draw_combos(wrong, logits, combos, 12_500)
+    pvalues = [chi_square_pvalue(row, filtered_distribution(logits, *c)) for c, row in zip(combos, tokens)]
+    assert min(pvalues) < 1e-6, pvalues
+
+
+@pytest.mark.parametrize(
+    "B, V, block, dtype",
+    [
+        (3, 1, None, torch.float32),  # a single token
+        (7, 1000, 64, torch.float32),  # 16 blocks with a tail of 40
+        (5, 77, 16, torch.float16),  # half logits, prime V
+        (4, 100, 32, torch.bfloat16),  # bf16 logits (no tl.dot: fine in the interpreter)
+    ],
+)
+def test_greedy_is_argmax_lowest_index(B, V, block, dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(B, V) * 2).round().to(dtype)  # rounded: many ties, also across blocks
+    temperature = torch.tensor([0.0, -1.0] * B)[:B]  # <= 0 is greedy
+    out = poisoned(B, dtype=torch.float64)
+    out[:] = fused.launch(
+        logits, temperature, *params(B, 0, 0, 1.0, 0.0)[1:], torch.arange(B), torch.zeros(B, dtype=torch.long), block
+    )
+    ref = torch.stack([(row == row.max()).nonzero()[0, 0] for row in logits.float()])
+    assert torch.equal(out.long(), ref)
+    assert torch.equal(naive.sample(logits, temperature, 0, 1.0, 0.0, 0, 0), ref)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(1, 1.0, 0.0), (0, 1e-6, 0.0), (0, 1.0, 1.0), (1, 0.5, 0.5)])
+def test_cut_to_the_max_is_argmax(top_k, top_p, min_p):
+    torch.manual_seed(0)
+    B, V = 64, 50
+    logits = torch.randn(B, V)
+    out = fused.sample(logits, 1.0, top_k, top_p, min_p, 7, torch.arange(B))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def random_rows(B, V, seed):
+    """Rows with ties, -inf logits and per-row parameters drawn over their whole range."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V, generator=g) * 3).round(decimals=1)
+    logits[torch.rand(B, V, generator=g) < 0.1] = float("-inf")
+    logits[:, 0] = 0.0  # at least one finite logit per row
+    temperature = torch.rand(B, generator=g) * 2 + 0.05
+    top_k = torch.randint(-1, V + 2, (B,), generator=g)
+    top_p = torch.where(torch.rand(B, generator=g) < 0.3, 1.0, torch.rand(B, generator=g))
+    min_p = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, torch.rand(B, generator=g) * 0.5)
+    return logits, temperature, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("cap", [None, 4])  # everything in the buffer / mostly the full-row fallback
+def test_sampled_token_in_kept_set(cap):
+    B, V = 2048, 37
+    logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=cap or 0)
+    step = torch.arange(B)
+    probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    for tokens in (
+        fused.launch(logits, temperature, top_k, top_p, min_p, torch.full((B,), 5), step, cap=cap, nt=4),
+        naive.sample(logits, temperature, top_k, top_p, min_p, 5, step),
+    ):
+        assert keep[torch.arange(B), tokens].all()
+
+
+def test_reproducible_across_calls_and_batch_positions():
+    B, V = 256, 33
+    logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=3)
+    seed, step = torch.randint(0, 2**40, (B,)), torch.randint(0, 2**33, (B,))
+    first = fused.sample(logits, temperature, top_k, top_p, min_p, seed, step)
+    assert torch.equal(first, fused.sample(logits, temperature, top_k, top_p, min_p, seed, step))
+    perm = torch.randperm(B)
+    shuffled = fused.sample(
+        logits[perm], temperature[perm], top_k[perm], top_p[perm], min_p[perm], seed[perm], step[perm]
+    )
+    assert torch.equal(shuffled, first[perm])
+    # a single row alone gives the same token as inside the batch
+    assert fused.sample(logits[5:6], temperature[5], top_k[5], top_p[5], min_p[5], seed[5], step[5]).item() == first[5]
+
+
+def test_equal_rows_equal_tokens_and_seeds_give_streams():
+    V, steps = 32, 2000
+    logits = torch.zeros(steps, V)  # uniform: every token equally likely
+    step = torch.arange(steps)
+    a = fused.sample(logits, 1.0, 0, 1.0, 0.0, 1, step)
+    b = fused.sample(logits, 1.0, 0, 1.0, 0.0, 1, step)
+    c = fused.sample(logits, 1.0, 0, 1.0, 0.0, 2, step)
+    assert torch.equal(a, b)
+    assert (a != c).float().mean() > 0.9  # independent streams agree 1/32 of the time
+    assert (a[1:] != a[:-1]).float().mean() > 0.9  # steps differ too
+    # two equal rows (same logits, seed, step) inside one batch
+    rows = torch.randn(2, V)
+    twin = fused.sample(rows[[0, 1, 0]], 1.0, 0, 1.0, 0.0, torch.tensor([9, 9, 9]), torch.tensor([4, 4, 4]))
+    assert twin[0] == twin[2]
+
+
+def test_scalar_and_tensor_parameters_agree():
+    B, V = 16, 24
+    logits = torch.randn(B, V)
+    scalars = fused.sample(logits, 0.9, 4, 0.8, 0.05, 11, 3)
+    tensors = fused.sample(logits, *params(B, 0.9, 4, 0.8, 0.05), torch.full((B,), 11), torch.full((B,), 3))
+    assert torch.equal(scalars, tensors)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_and_inf_rows(temperature):
+    V = 20
+    logits = torch.randn(6, V)
+    logits[0, 3] = float("nan")  # -> INVALID_TOKEN
+    logits[1, :] = float("-inf")  # nothing drawable -> INVALID_TOKEN
+    logits[2, [5, 9]] = float("inf")  # first +inf wins
+    logits[3, 7] = float("inf")
+    logits[3, 2] = float("nan")  # NaN beats +inf: still invalid
+    logits[4, : V - 1] = float("-inf")  # only the last token is finite
+    for sampler in (fused.sample, naive.sample):
+        out = sampler(logits, temperature, 0, 1.0, 0.0, 0, 0)
+        assert out.tolist()[:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 5, naive.INVALID_TOKEN, V - 1]
+        if temperature == 0:
+            assert out[5] == logits[5].argmax()
+
+
+def test_minus_inf_never_drawn():
+    B, V = 4096, 16
+    logits = torch.zeros(B, V)
+    logits[:, 1::2] = float("-inf")
+    out = fused.sample(logits, 100.0, 0, 1.0, 0.0, 0, torch.arange(B))
+    assert (out % 2 == 0).all() and len(out.unique()) == V // 2
+
+
+def test_torch_export():
+    class Sampler(torch.nn.Module):
+        def forward(self, logits, temperature, top_k, top_p, min_p, seed, step):
+            return fused.sample(logits, temperature, top_k, top_p, min_p, seed, step)
+
+    B, V = 4, 32
+    args = (torch.randn(B, V), *params(B, 0.8, 5, 0.9, 0.0), torch.arange(B), torch.arange(B))
+    ep = torch.export.export(Sampler(), args)
+    assert any("qmoe.sample" in str(node.target) for node in ep.graph.nodes)
+    assert torch.equal(ep.module()(*args), Sampler()(*args))
+
+
+# ---------------------------------------------------------------- GPU (V of Qwen3.5-MoE)
+
+V_FULL = 248320
+
+
+def llm_like_logits(B, V, device, dtype, seed=0):
+    """Spread logits with a few strong candidates, like a language model's (plus one flat row)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(B, V, device=device, generator=g) * 2.5
+    logits[:, :64] += torch.linspace(12, 2, 64, device=device)
+    logits = logits[:, torch.randperm(V, device=device, generator=g)]
+    logits[-1] = torch.randn(V, device=device, generator=g) * 0.1  # flat: kept sets of ~V tokens
+    return logits.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_full_vocab_greedy_and_kept_set(dtype):
+    B = 8
+    logits = llm_like_logits(B, V_FULL, "cuda", dtype)
+    assert torch.equal(fused.sample(logits, 0.0, 0, 1.0, 0.0, 0, 0), logits.float().argmax(-1))
+    step = torch.arange(B, device="cuda")
+    for top_k, top_p, min_p in [(50, 0.9, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.0), (5000, 0.99, 0.0)]:
+        for temperature in (0.3, 1.0, 1.7):
+            out = fused.sample(logits, temperature, top_k, top_p, min_p, 3, step)
+            probs = torch.softmax(logits.double() / temperature, -1)
+            keep = naive.filter_probs(probs, *(torch.full((B,), v, device="cuda") for v in (top_k, top_p, min_p)))
+            assert keep[torch.arange(B), out].all(), (top_k, top_p, min_p, temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_full_vocab_distribution(dtype):
+    # 50k draws per combo from one row read through a stride-0 view (no copy of the 50k rows)
+    logits = llm_like_logits(1, V_FULL, "cuda", dtype)[0]
+    combos = [(1.0, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 0, 1.0, 0.05), (1.0, 20, 1.0, 0.0)]
+    tokens = draw_combos(fused.sample, logits, combos, 50_000)
+    for combo, row in zip(combos, tokens):
+        assert chi_square_pvalue(row, filtered_distribution(logits.float().cpu(), *combo)) > 1e-3, combo
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_parameters():
+    B = 16
+    logits = llm_like_logits(B, V_FULL, "cuda", torch.float32)
+    temperature, top_k, top_p, min_p = (t.cuda() for t in params(B, 1.0, 50, 0.9, 0.0))
+    seed, step = torch.full((B,), 7, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
+    args = (logits, temperature, top_k, top_p, min_p, seed, step)
+    fused.sample(*args)  # warm-up (compilation) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.sample(*args)
+    for i in range(4):
+        logits.copy_(llm_like_logits(B, V_FULL, "cuda", torch.float32, seed=i + 1))
+        temperature.fill_([0.0, 0.5, 1.0, 1.5][i])
+        top_k.fill_([0, 10, 50, 0][i])
+        top_p.fill_([1.0, 0.5, 0.9, 0.95][i])
+        min_p.fill_([0.0, 0.0, 0.1, 0.02][i])
+        step += 1
+        graph.replay()
+        assert torch.equal(out, fused.sample(*args))
