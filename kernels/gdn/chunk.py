@@ -23,37 +23,7 @@ import triton.language as tl
 from kernels.gdn.conv import causal_conv1d
 from kernels.gdn.gates import gates
 
-CHUNK = 64  # the kernels hard-code it (and its 16-token diagonal blocks) as literals
-
-
-@triton.jit
-def _wy_block(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0,
-        t0, h, hk, carry,
-        T, C,
-              NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    """Raw k [16, BK] with its inverse L2 norms [16], raw v [16, BV], beta and the cumulative log decay
-    gc [16] of tokens t0 .. t0+16 (activation dtype tiles: the norms are applied to the dot results)."""
-    t = t0 + tl.arange(0, 16)
-    mt = t < T
-    ik, iv = tl.arange(0, BK), tl.arange(0, BV)
-    rows = qkv_ptr + ((bt0 + t) * C)[:, None]  # bt0 = b * T
-    k = tl.load(rows + (NK + hk) * DK + ik[None, :], mask=mt[:, None] & (ik < DK)[None, :], other=0.0)
-    v = tl.load(rows + 2 * NK * DK + h * DV + iv[None, :], mask=mt[:, None] & (iv < DV)[None, :], other=0.0)
-    k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)
-    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, (bt0 + t) * NV + h, h, mt)
-    return k, k_norm, v, beta, tl.cumsum(g, axis=0) + carry, carry + tl.sum(g, axis=0)
-
-
-@triton.jit
-def _kkt(k_i, norm_i, beta_i, gc_i, k_j, norm_j, gc_j, DIAG: tl.constexpr):
-    """Block (i, j) of A: beta_i (k_i . k_j) exp(gc_i - gc_j) of normed keys, strictly lower on the diagonal."""
-    a = tl.dot(k_i, tl.trans(k_j)) * (beta_i * norm_i)[:, None] * norm_j[None, :]  # [16, 16]
-    diff = gc_i[:, None] - gc_j[None, :]
-    if DIAG:
-        lower = tl.arange(0, 16)[:, None] > tl.arange(0, 16)[None, :]
-        return tl.where(lower, a * tl.exp(tl.where(lower, diff, 0.0)), 0.0)  # no exp of the positive upper half
-    return a * tl.exp(diff)
+CHUNK = 64  # the kernels hard-code it (and its 16-token blocks) as literals
 
 
 @triton.jit
@@ -81,77 +51,83 @@ def _inv_unit_lower4(a0, a1, a2, a3):
 
 
 @triton.jit
-def _store_rows(ptr, row0, x, D: tl.constexpr, BD: tl.constexpr):
-    i, r = tl.arange(0, BD), tl.arange(0, 16)
-    tl.store(ptr + (row0 + r)[:, None] * D + i[None, :], x.to(ptr.dtype.element_ty), mask=(i < D)[None, :])
+def _block(t_ptr, i: tl.constexpr, j: tl.constexpr):
+    """Block (i, j) [16, 16] of a row-major [64, 64] matrix."""
+    r = tl.arange(0, 16)
+    return tl.load(t_ptr + (16 * i + r)[:, None] * 64 + 16 * j + r[None, :])
 
 
 @triton.jit
-def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, T, Tp, C,
+def _store_block(t_ptr, i: tl.constexpr, j: tl.constexpr, x):
+    r = tl.arange(0, 16)
+    tl.store(t_ptr + (16 * i + r)[:, None] * 64 + 16 * j + r[None, :], x)
+
+
+@triton.jit
+def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, t_ptr, T, Tp, C,
                NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     chunk, bh = tl.program_id(0), tl.program_id(1)
     NV = NK * G
     b, h = bh // NV, bh % NV
     hk = h // G
-    t0, bt0 = chunk * 64, b * T
-    k0, n0, v0, beta0, gc0, carry = _wy_block(
-        qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0, h, hk, 0.0, T, C, NK, NV, DK, DV, BK, BV
-    )
-    k1, n1, v1, beta1, gc1, carry = _wy_block(
-        qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 16, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
-    )
-    k2, n2, v2, beta2, gc2, carry = _wy_block(
-        qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 32, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
-    )
-    k3, n3, v3, beta3, gc3, carry = _wy_block(
-        qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, bt0, t0 + 48, h, hk, carry, T, C, NK, NV, DK, DV, BK, BV
-    )
+    r = tl.arange(0, 64)
+    t = chunk * 64 + r
+    mt = t < T
+    ik, iv = tl.arange(0, BK), tl.arange(0, BV)
+    rows = qkv_ptr + ((b * T + t) * C)[:, None]
+    k_ptrs, k_mask = rows + (NK + hk) * DK + ik[None, :], mt[:, None] & (ik < DK)[None, :]
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [64, BK]
+    k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)  # [64]
+    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, (b * T + t) * NV + h, h, mt)
+    gc = tl.cumsum(g, axis=0)  # [64] log decay from the chunk start
 
-    # T = (I + A)^-1 block by block: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj
+    # A = beta_i (k_i . k_j) exp(gc_i - gc_j) of normed keys, strictly lower, through this chunk's scratch
+    lower = r[:, None] > r[None, :]
+    a = tl.dot(k, tl.trans(k)) * (beta * k_norm)[:, None] * k_norm[None, :]  # [64, 64]
+    a = tl.where(lower, a * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    t_ptr += (bh * Tp + chunk * 64) * 64
+    tl.store(t_ptr + r[:, None] * 64 + r[None, :], a)
+    tl.debug_barrier()  # A in scratch for every thread's block loads
+
+    # T = (I + A)^-1 by 16-blocks: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj
     d0, d1, d2, d3 = _inv_unit_lower4(
-        _kkt(k0, n0, beta0, gc0, k0, n0, gc0, True),
-        _kkt(k1, n1, beta1, gc1, k1, n1, gc1, True),
-        _kkt(k2, n2, beta2, gc2, k2, n2, gc2, True),
-        _kkt(k3, n3, beta3, gc3, k3, n3, gc3, True),
+        _block(t_ptr, 0, 0), _block(t_ptr, 1, 1), _block(t_ptr, 2, 2), _block(t_ptr, 3, 3)
     )
-    a10 = _kkt(k1, n1, beta1, gc1, k0, n0, gc0, False)
-    a20 = _kkt(k2, n2, beta2, gc2, k0, n0, gc0, False)
-    a21 = _kkt(k2, n2, beta2, gc2, k1, n1, gc1, False)
-    a30 = _kkt(k3, n3, beta3, gc3, k0, n0, gc0, False)
-    a31 = _kkt(k3, n3, beta3, gc3, k1, n1, gc1, False)
-    a32 = _kkt(k3, n3, beta3, gc3, k2, n2, gc2, False)
+    a10, a20, a30 = _block(t_ptr, 1, 0), _block(t_ptr, 2, 0), _block(t_ptr, 3, 0)
+    a21, a31, a32 = _block(t_ptr, 2, 1), _block(t_ptr, 3, 1), _block(t_ptr, 3, 2)
     t10 = -_dot(d1, _dot(a10, d0))
     t21 = -_dot(d2, _dot(a21, d1))
     t32 = -_dot(d3, _dot(a32, d2))
     t20 = -_dot(d2, _dot(a20, d0) + _dot(a21, t10))
     t31 = -_dot(d3, _dot(a31, d1) + _dot(a32, t21))
     t30 = -_dot(d3, _dot(a30, d0) + _dot(a31, t10) + _dot(a32, t20))
+    tl.debug_barrier()  # every read of A before T overwrites it (the upper blocks stay zero)
+    _store_block(t_ptr, 0, 0, d0)
+    _store_block(t_ptr, 1, 1, d1)
+    _store_block(t_ptr, 2, 2, d2)
+    _store_block(t_ptr, 3, 3, d3)
+    _store_block(t_ptr, 1, 0, t10)
+    _store_block(t_ptr, 2, 0, t20)
+    _store_block(t_ptr, 3, 0, t30)
+    _store_block(t_ptr, 2, 1, t21)
+    _store_block(t_ptr, 3, 1, t31)
+    _store_block(t_ptr, 3, 2, t32)
+    tl.debug_barrier()
+    tt = tl.load(t_ptr + r[:, None] * 64 + r[None, :])  # [64, 64]
 
-    # u = T (beta v), w = T (beta exp(gc) k / |k|), dot operands in the activation dtype
+    # u = T (beta v), w = T (beta exp(gc) k / |k|): dot operands in the activation dtype; k is read again
+    # (from cache) rather than held in registers through the inverse
     dt = qkv_ptr.dtype.element_ty
-    d0, d1, d2, d3 = d0.to(dt), d1.to(dt), d2.to(dt), d3.to(dt)
-    t10, t20, t30, t21, t31, t32 = t10.to(dt), t20.to(dt), t30.to(dt), t21.to(dt), t31.to(dt), t32.to(dt)
-    vb0, vb1 = (v0 * beta0[:, None]).to(dt), (v1 * beta1[:, None]).to(dt)
-    vb2, vb3 = (v2 * beta2[:, None]).to(dt), (v3 * beta3[:, None]).to(dt)
-    kb0 = (k0 * (beta0 * n0 * tl.exp(gc0))[:, None]).to(dt)
-    kb1 = (k1 * (beta1 * n1 * tl.exp(gc1))[:, None]).to(dt)
-    kb2 = (k2 * (beta2 * n2 * tl.exp(gc2))[:, None]).to(dt)
-    kb3 = (k3 * (beta3 * n3 * tl.exp(gc3))[:, None]).to(dt)
-    row0 = bh * Tp + t0
-    _store_rows(u_ptr, row0, tl.dot(d0, vb0), DV, BV)
-    _store_rows(u_ptr, row0 + 16, tl.dot(t10, vb0) + tl.dot(d1, vb1), DV, BV)
-    _store_rows(u_ptr, row0 + 32, tl.dot(t20, vb0) + tl.dot(t21, vb1) + tl.dot(d2, vb2), DV, BV)
-    _store_rows(u_ptr, row0 + 48, tl.dot(t30, vb0) + tl.dot(t31, vb1) + tl.dot(t32, vb2) + tl.dot(d3, vb3), DV, BV)
-    _store_rows(w_ptr, row0, tl.dot(d0, kb0), DK, BK)
-    _store_rows(w_ptr, row0 + 16, tl.dot(t10, kb0) + tl.dot(d1, kb1), DK, BK)
-    _store_rows(w_ptr, row0 + 32, tl.dot(t20, kb0) + tl.dot(t21, kb1) + tl.dot(d2, kb2), DK, BK)
-    _store_rows(w_ptr, row0 + 48, tl.dot(t30, kb0) + tl.dot(t31, kb1) + tl.dot(t32, kb2) + tl.dot(d3, kb3), DK, BK)
-    r = tl.arange(0, 16)
-    tl.store(gc_ptr + row0 + r, gc0)
-    tl.store(gc_ptr + row0 + 16 + r, gc1)
-    tl.store(gc_ptr + row0 + 32 + r, gc2)
-    tl.store(gc_ptr + row0 + 48 + r, gc3)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(rows + 2 * NK * DK + h * DV + iv[None, :], mask=mt[:, None] & (iv < DV)[None, :], other=0.0)
+    tt = tt.to(dt)
+    u = tl.dot(tt, (v * beta[:, None]).to(dt))  # [64, BV]
+    w = tl.dot(tt, (k * (beta * k_norm * tl.exp(gc))[:, None]).to(dt))  # [64, BK]
+    scratch = bh * Tp + t  # padded rows: always in bounds
+    tl.store(u_ptr + scratch[:, None] * DV + iv[None, :], u.to(u_ptr.dtype.element_ty), mask=(iv < DV)[None, :])
+    tl.store(w_ptr + scratch[:, None] * DK + ik[None, :], w.to(w_ptr.dtype.element_ty), mask=(ik < DK)[None, :])
+    tl.store(gc_ptr + scratch, gc)
 
 
 @triton.jit
@@ -227,8 +203,9 @@ def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int):
     u = torch.empty(B, nv, Tp, dv, dtype=qkv.dtype, device=qkv.device)
     w = torch.empty(B, nv, Tp, dk, dtype=qkv.dtype, device=qkv.device)
     gc = torch.empty(B, nv, Tp, dtype=torch.float32, device=qkv.device)
+    t_scratch = torch.empty(B, nv, Tp, CHUNK, dtype=torch.float32, device=qkv.device)  # A, then (I + A)^-1
     _wy_kernel[(n_chunks, B * nv)](
-        qkv, a, b, A_log, dt_bias, u, w, gc, T, Tp, C,
+        qkv, a, b, A_log, dt_bias, u, w, gc, t_scratch, T, Tp, C,
         NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8,
     )  # fmt: skip
     return u, w, gc
