@@ -1,17 +1,18 @@
 """Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in one launch, no sort of the vocabulary.
 
-Same semantics as `naive.py` (read its docstring); per row, one program streams the logits in blocks:
+Same semantics as `naive.py` (read its docstring); per row, programs stream the logits in blocks:
 
 1. stats pass: NaN flag, max and its lowest index (the greedy answer: temperature <= 0 stops here), and for
    sampled rows the online sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit
-   and the number of finite logits.
+   and the number of finite logits. At small batch the row is split over SPLIT programs; each writes its
+   chunk's stats and the last to finish (an atomic counter, no waiting) combines them and goes on alone.
 2. search pass: counts (and masses, for top-p without top-k) of x >= s_j at NT logit thresholds spread
    geometrically between the max and the smallest logit, and, for rows without top-k, a speculative
    gather of every x >= s where s is a provable lower bound of the cut (min-p: p(s) < min_p; top-p: the
    tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass).
 3. gather pass, only if 2. did not gather a usable set: all x >= s_j for the highest threshold that is
-   provably at or below the cut and holds at most CAP tokens. The <= CAP gathered logits are sorted
-   (CAP, not V), the exact top-k / top-p / min-p cut is found on them, and the token is drawn by an
+   provably at or below the cut and holds at most CAP tokens. The exact top-k / top-p / min-p cut is found
+   on the <= CAP gathered logits in registers (bisection of their keys), and the token is drawn by an
    exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i).
 4. fallback, when the kept set has more than CAP tokens (flat rows, huge k): exact bisection of the cut on
    the order-preserving int32 keys of the logits, NT thresholds per pass over the row, then a race pass.
@@ -105,8 +106,9 @@ def _sample_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    buf_val_ptr, buf_idx_ptr, out_ptr,
+    buf_val_ptr, buf_idx_ptr, part_f_ptr, part_i_ptr, counter_ptr, out_ptr,
     R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -129,7 +131,8 @@ def _sample_kernel(
     n_finite = tl.zeros((R,), tl.int64)
     x_min = tl.full((R,), float("inf"), tl.float32)
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
-    for off in range(0, V, BLOCK):
+    chunk = tl.program_id(1)
+    for off in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), BLOCK):
         x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
         nan = x != x
         has_nan |= tl.max(nan.to(tl.int32), 1)
@@ -145,6 +148,32 @@ def _sample_kernel(
             n_finite += tl.sum(finite.to(tl.int64), 1)
             x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), 1))
         m = m_new
+    if SPLIT > 1:  # publish this chunk's stats; the row's last program to arrive combines them
+        part = (rows * SPLIT + chunk) * 3
+        tl.store(part_f_ptr + part, m, mask=row_ok)
+        tl.store(part_f_ptr + part + 1, total, mask=row_ok)
+        tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
+        tl.store(part_i_ptr + part, arg, mask=row_ok)
+        tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
+        tl.store(part_i_ptr + part + 2, has_nan.to(tl.int64), mask=row_ok)
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        row_ok &= arrived == SPLIT - 1
+        sampled &= row_ok
+        tl.store(counter_ptr + rows, 0, mask=row_ok)  # ready for the next launch (and CUDA graph replay)
+        parts = (rows[:, None] * SPLIT + tl.arange(0, SPLIT)[None, :]) * 3  # [R, SPLIT]
+        pm = row_ok[:, None]
+        ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"), volatile=True)
+        m = tl.max(ms, 1)
+        args = tl.load(part_i_ptr + parts, mask=pm, other=0, volatile=True)
+        arg = tl.min(tl.where(ms == m[:, None], args, V), 1)  # the first chunk holding the max
+        ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+        totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0, volatile=True)
+        scale = tl.where(ms == float("-inf"), 0.0, tl.exp2((ms - ref[:, None]) * c[:, None]))
+        total = tl.sum(totals * scale, 1)  # chunk sums are relative to their own max
+        x_min = tl.min(tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf"), volatile=True), 1)
+        n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0, volatile=True), 1)
+        has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0, volatile=True), 1).to(tl.int32)
     invalid = (has_nan > 0) | (m == float("-inf"))
     token = tl.where(invalid, INVALID_TOKEN, arg)  # greedy; an +inf logit wins (first one)
     active = sampled & ~invalid & (m < float("inf"))
@@ -260,10 +289,22 @@ def _sample_kernel(
     tl.store(out_ptr + rows, token, mask=row_ok)
 
 
-def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None):
+_counters = {}  # device -> int32 zeros, one per row; the last program of a row resets its counter
+
+
+def arrival_counters(n: int, device) -> torch.Tensor:
+    """Zeroed per-row counters for the split stats pass, kept between calls (one launch at a time per device)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _counters[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
+
+
+def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None):
     """Run the kernel on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
-    block / cap / nt / rows (rows per program) are tuning knobs; tests shrink cap to exercise the fallback."""
+    block / cap / nt / rows (rows per program) / split (programs per row in the stats pass, a power of 2) are
+    tuning knobs; tests shrink cap to exercise the fallback and set split on the CPU."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -275,12 +316,21 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         cap = min(1024, triton.next_power_of_2(V))
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // (max(block, cap) * nt)))
-    buf_val = torch.empty(B, cap, dtype=torch.float32, device=logits.device)
-    buf_idx = torch.empty(B, cap, dtype=torch.int32, device=logits.device)
+    if split is None:  # small batches: spread the stats pass (all of greedy) over ~256 programs
+        split = min(64, max(1, 256 // (B * rows))) if logits.is_cuda else 1
+        split = 1 << (split.bit_length() - 1)
+    chunk = triton.cdiv(triton.cdiv(V, split), block) * block
+    device = logits.device
+    buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
+    buf_idx = torch.empty(B, cap, dtype=torch.int32, device=device)
+    part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
+    part_i = torch.empty(B, split, 3, dtype=torch.int64, device=device)
+    counters = arrival_counters(B, device) if split > 1 else part_i
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    _sample_kernel[(triton.cdiv(B, rows),)](
-        logits, logits.stride(0), B, V, *(x for pair in params for x in pair), buf_val, buf_idx, out,
-        R=rows, BLOCK=block, CAP=cap, NT=nt, num_warps=8 if logits.is_cuda else 1,
+    _sample_kernel[(triton.cdiv(B, rows), split)](
+        logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
+        buf_val, buf_idx, part_f, part_i, counters, out,
+        R=rows, BLOCK=block, CAP=cap, NT=nt, SPLIT=split, CHUNK=chunk, num_warps=8 if logits.is_cuda else 1,
     )  # fmt: skip
     return out
 
