@@ -1,7 +1,7 @@
 """Executor: exported programs for the `host` and `cuda_native` runners.
 
-- Programs: torch.export runs once per (model, method split, batch, length, kernels) per process; each export
-  preset re-lowers and re-plans those exported methods (cheap), so a sweep exports each split once.
+- Programs: torch.export runs once per (model, method, batch, length, kernels) per process; each export preset
+  re-lowers and re-plans those exported methods (cheap), so a sweep exports each method once.
 - Arenas: a Program allocates its planned arenas once per device; the executor re-allocates the host arena in
   pinned memory when the delegate is a GPU (copies from and to it are true async DMA and can sit next to CUDA
   graphs), before any buffer is handed out. Nothing else is allocated per step by the executor.
@@ -19,21 +19,23 @@ from qmoe.export.methods import export_methods
 from qmoe.runtime.graphs import graph_delegates
 from qmoe.runtime.ledger import TransferLedger
 
-_EXPORTED: dict[tuple, tuple] = {}  # key -> (model, {method: ExportedProgram}); one model at a time
+_EXPORTED: dict[tuple, tuple] = {}  # (model id, method, batch, length, kernels) -> (model, ExportedProgram)
 
 
 def build_program(model, settings: ExportSettings, batch_size: int, max_seq_len: int) -> Program:
     """The exported program of `model` (caches set up for batch_size x max_seq_len) under `settings`."""
+    for stale in [k for k, (m, _) in _EXPORTED.items() if m is not model]:  # one model's exports at a time
+        del _EXPORTED[stale]
     kernels = tuple(sorted((group, module.__name__) for group, module in model.ops.items()))
-    key = (id(model), settings.method_split, batch_size, max_seq_len, kernels)
-    cached = _EXPORTED.get(key)
-    if cached is None or cached[0] is not model:
-        _EXPORTED.clear()
-        cached = _EXPORTED[key] = (model, export_methods(model, settings.method_split, batch_size, max_seq_len))
-    program = Program(cached[1], model, settings, batch_size, max_seq_len)
+    keys = {m: (id(model), m, batch_size, max_seq_len, kernels) for m in settings.methods}
+    if any(k not in _EXPORTED for k in keys.values()):  # a method is the same program in every split it is in
+        exported = export_methods(model, settings.method_split, batch_size, max_seq_len)
+        _EXPORTED.update({keys[m]: (model, ep) for m, ep in exported.items()})
+    exported = {m: _EXPORTED[k][1] for m, k in keys.items()}
+    program = Program(exported, model, settings, batch_size, max_seq_len)
     if program.arenas is not None and "cpu" in program.arenas and model.device.type == "cuda":
         # Methods share this dict: replacing the entry re-binds every host buffer they hand out.
-        program.arenas["cpu"] = torch.empty_like(program.arenas["cpu"], pin_memory=True)
+        program.arenas["cpu"] = torch.empty(program.arenas["cpu"].numel(), dtype=torch.uint8, pin_memory=True)
     return program
 
 
