@@ -4,7 +4,7 @@ Same semantics as `naive.py` (read its docstring); per row, programs stream the 
 
 1. stats pass: NaN flag, max and its lowest index (the greedy answer: temperature <= 0 stops here), and for
    sampled rows the online sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit
-   and the number of finite logits. At small batch the row is split over SPLIT programs; each writes its
+   and the number of finite logits. At small batch the row is split over `split` programs; each writes its
    chunk's stats and the last to finish (an atomic counter, no waiting) combines them and goes on alone.
 2. search pass: counts (and masses, for top-p without top-k) of x >= s_j at NT logit thresholds spread
    geometrically between the max and the smallest logit, and, for rows without top-k, a speculative
@@ -30,6 +30,7 @@ import triton.language as tl
 from kernels.sampling.naive import INVALID_TOKEN
 
 LOG2E = 1.4426950408889634
+SPLIT_MAX = 64  # programs per row in the stats pass, at most
 
 
 @triton.jit
@@ -101,14 +102,18 @@ def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.co
     return lo
 
 
-@triton.jit
+# runtime values that would otherwise compile a variant each time they hit 1 (B = 1, strides of broadcast scalars)
+@triton.jit(
+    do_not_specialize=["B", "temp_stride", "top_k_stride", "top_p_stride", "min_p_stride", "seed_stride",
+                       "step_stride", "split", "chunk_len"]
+)  # fmt: skip
 def _sample_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    buf_val_ptr, buf_idx_ptr, part_f_ptr, part_i_ptr, counter_ptr, out_ptr,
-    R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+    buf_val_ptr, buf_idx_ptr, part_f_ptr, part_i_ptr, counter_ptr, out_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
+    SPLIT_MAX: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -132,7 +137,7 @@ def _sample_kernel(
     x_min = tl.full((R,), float("inf"), tl.float32)
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
     chunk = tl.program_id(1)
-    for off in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), BLOCK):
+    for off in range(chunk * chunk_len, tl.minimum(chunk * chunk_len + chunk_len, V), BLOCK):
         x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
         nan = x != x
         has_nan |= tl.max(nan.to(tl.int32), 1)
@@ -148,8 +153,8 @@ def _sample_kernel(
             n_finite += tl.sum(finite.to(tl.int64), 1)
             x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), 1))
         m = m_new
-    if SPLIT > 1:  # publish this chunk's stats; the row's last program to arrive combines them
-        part = (rows * SPLIT + chunk) * 3
+    if split > 1:  # publish this chunk's stats; the row's last program to arrive combines them
+        part = (rows * split + chunk) * 3
         tl.store(part_f_ptr + part, m, mask=row_ok)
         tl.store(part_f_ptr + part + 1, total, mask=row_ok)
         tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
@@ -158,11 +163,12 @@ def _sample_kernel(
         tl.store(part_i_ptr + part + 2, has_nan.to(tl.int64), mask=row_ok)
         tl.debug_barrier()  # every thread's stores before the release below
         arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-        row_ok &= arrived == SPLIT - 1
+        row_ok &= arrived == split - 1
         sampled &= row_ok
         tl.store(counter_ptr + rows, 0, mask=row_ok)  # ready for the next launch (and CUDA graph replay)
-        parts = (rows[:, None] * SPLIT + tl.arange(0, SPLIT)[None, :]) * 3  # [R, SPLIT]
-        pm = row_ok[:, None]
+        sp = tl.arange(0, SPLIT_MAX)
+        parts = (rows[:, None] * split + sp[None, :]) * 3  # [R, SPLIT_MAX]
+        pm = row_ok[:, None] & (sp < split)[None, :]
         ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"), volatile=True)
         m = tl.max(ms, 1)
         args = tl.load(part_i_ptr + parts, mask=pm, other=0, volatile=True)
@@ -202,8 +208,8 @@ def _sample_kernel(
         mass = tl.zeros((R, NT), tl.float32)
         n_spec = tl.zeros((R,), tl.int64)
         mass_spec = tl.zeros((R,), tl.float32)
-        for off in range(0, V, BLOCK):
-            x, cols, msk = _load_block(base, off, V, filtered, BLOCK)
+        for off in range(0, V, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
+            x, cols, msk = _load_block(base, off, V, filtered, BLOCK_T)
             x = tl.where(x != x, float("-inf"), x)
             p = tl.exp2((x - m[:, None]) * c[:, None])
             ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK, NT]
@@ -269,9 +275,9 @@ def _sample_kernel(
             lo = _ordered_key(x_min).to(tl.int64)
             top = _ordered_key(m).to(tl.int64) + 1
             key_k, z = _bisect_key(base, V, full, m, c, lo, tl.where(full & k_on, top, lo + 1), total, top_k,
-                                   total, False, BLOCK, NT)  # fmt: skip
+                                   total, False, BLOCK_T, NT)  # fmt: skip
             key_cut, _ = _bisect_key(base, V, full, m, c, key_k, tl.where(full & p_on, top, key_k + 1), z, top_k,
-                                     top_p * z, True, BLOCK, NT)  # fmt: skip
+                                     top_p * z, True, BLOCK_T, NT)  # fmt: skip
             best = tl.full((R,), float("-inf"), tl.float32)
             best_idx = tl.zeros((R,), tl.int64)
             for off in range(0, V, BLOCK):
@@ -303,7 +309,7 @@ def arrival_counters(n: int, device) -> torch.Tensor:
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None):
     """Run the kernel on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
-    block / cap / nt / rows (rows per program) / split (programs per row in the stats pass, a power of 2) are
+    block / cap / nt / rows (rows per program) / split (programs per row in the stats pass, <= 64) are
     tuning knobs; tests shrink cap to exercise the fallback and set split on the CPU."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -311,15 +317,16 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     if block is None:
-        block = min(2048, triton.next_power_of_2(V))
+        block = min(4096, triton.next_power_of_2(V))
+    block_t = min(block, 1024)
     if cap is None:  # the gather buffer never needs more than V slots
         cap = min(1024, triton.next_power_of_2(V))
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // (max(block, cap) * nt)))
-    if split is None:  # small batches: spread the stats pass (all of greedy) over ~256 programs
-        split = min(64, max(1, 256 // (B * rows))) if logits.is_cuda else 1
-        split = 1 << (split.bit_length() - 1)
-    chunk = triton.cdiv(triton.cdiv(V, split), block) * block
+    if split is None:  # spread the stats pass (all of greedy) over ~1024 programs: bytes in flight
+        split = min(SPLIT_MAX, max(1, 1024 // (B * rows))) if logits.is_cuda else 1
+    assert 1 <= split <= SPLIT_MAX
+    chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
     device = logits.device
     buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
     buf_idx = torch.empty(B, cap, dtype=torch.int32, device=device)
@@ -329,8 +336,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
     _sample_kernel[(triton.cdiv(B, rows), split)](
         logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
-        buf_val, buf_idx, part_f, part_i, counters, out,
-        R=rows, BLOCK=block, CAP=cap, NT=nt, SPLIT=split, CHUNK=chunk, num_warps=8 if logits.is_cuda else 1,
+        buf_val, buf_idx, part_f, part_i, counters, out, split, chunk_len,
+        R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT_MAX=SPLIT_MAX,
+        num_warps=8 if logits.is_cuda else 1,
     )  # fmt: skip
     return out
 

@@ -191,16 +191,27 @@ def test_sampled_token_in_kept_set(cap):
         assert keep[torch.arange(B), tokens].all()
 
 
-@pytest.mark.parametrize("split", [2, 8])  # the GPU's small-batch layout: stats of a row over several programs
-def test_split_stats_pass_gives_the_same_tokens(split):
-    B, V = 96, 300  # 10 blocks of 32 over 2 or 8 chunks (the last ones partly or wholly past V)
+@pytest.mark.parametrize(
+    "split, B, V, block",
+    [
+        (3, 96, 300, 32),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
+        (8, 96, 300, 32),  # chunks wholly past V
+        (4, 12, 2100, None),  # default blocks: 4096 for streaming, 1024 for the threshold tiles (3 of them)
+    ],
+)
+def test_split_stats_pass_gives_the_same_tokens(split, B, V, block):
     logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=1)
     logits[3, 7], logits[4], logits[5, 250] = float("nan"), float("-inf"), float("inf")
     temperature[::4] = 0.0  # greedy rows
     args = (logits, temperature, top_k, top_p, min_p, torch.full((B,), 5), torch.arange(B))
     out = poisoned(B, dtype=torch.float64)
-    out[:] = fused.launch(*args, block=32, split=split)
-    assert torch.equal(out.long(), fused.launch(*args, block=32, split=1))
+    out[:] = fused.launch(*args, block=block, split=split)
+    assert torch.equal(out.long(), fused.launch(*args, block=block, split=1))
+    probs = torch.softmax(logits.double() / temperature.clamp(min=1e-3)[:, None].double(), -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    finite = logits.isfinite()
+    sampled = (temperature > 0) & finite.any(-1) & (finite | (logits == float("-inf"))).all(-1)
+    assert keep[sampled, out.long()[sampled]].all()
     assert (fused.arrival_counters(B, "cpu")[:B] == 0).all()  # reset for the next launch
     greedy = temperature == 0
     assert torch.equal(out.long()[greedy], naive.sample(*args)[greedy])
