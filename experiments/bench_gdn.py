@@ -73,14 +73,14 @@ def bench_prefill(T, dims, dtype, device, smoke) -> tuple[list, float]:
     # stage breakdown on the first layer's inputs (each stage fed by the previous one's output)
     x = xs[0]
     qkv = causal_conv1d(x["mixed_qkv"], x["conv_state"], x["conv_weight"])
-    u, w, gc = wy_transform(qkv, x["a"], x["b"], x["A_log"], x["dt_bias"], nk, dims["dk"], dims["dv"])
-    o = chunk_delta_rule(qkv, u, w, gc, x["recurrent_state"], nk)
+    wy = wy_transform(qkv, x["a"], x["b"], x["A_log"], x["dt_bias"], nk, dims["dk"], dims["dv"])
+    o = chunk_delta_rule(qkv, wy, x["recurrent_state"], nk)
     stages = {
         "causal_conv1d": lambda i: causal_conv1d(x["mixed_qkv"], x["conv_state"], x["conv_weight"]),
         "wy_transform": lambda i: wy_transform(
             qkv, x["a"], x["b"], x["A_log"], x["dt_bias"], nk, dims["dk"], dims["dv"]
         ),
-        "chunk_delta_rule": lambda i: chunk_delta_rule(qkv, u, w, gc, x["recurrent_state"], nk),
+        "chunk_delta_rule": lambda i: chunk_delta_rule(qkv, wy, x["recurrent_state"], nk),
         "gated_norm": lambda i: gated_norm(o, x["z"], x["norm_weight"], 1e-6),
     }
     for name, call in stages.items():

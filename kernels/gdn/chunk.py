@@ -3,10 +3,11 @@
 
 1. `_wy_kernel`, parallel over (chunk, batch * value head): per chunk, A = strictly-lower beta k k^T decay,
    T = (I + A)^-1 (16x16 diagonal blocks by forward substitution, all four at once; off-diagonal
-   blocks by block substitution with tl.dot), u = T (beta v) and w = T (beta exp(gc) k); stores u, w
-   and the in-chunk cumulative log decay gc.
+   blocks by block substitution with tl.dot), u = T (beta v) and w = T (beta exp(gc) k); also everything
+   of the output that does not depend on the state: the intra-chunk attention (q k^T decay, causal) and
+   the row scales (norms, q's scale, decays) of the state kernel's dots.
 2. `_chunk_state_kernel`, per (value block, batch * value head), sequential over chunks with the fp32
-   state [dk, BV] in registers: v_new = u - w S, o = (q exp(gc)) S + (q k^T decay, causal) v_new,
+   state [dk, BV] in registers, four dots per chunk: v_new = u - w S, o = (q exp(gc)) S + attn v_new,
    S <- exp(gc_last) S + (k exp(gc_last - gc))^T v_new. Starts from and leaves the recurrent state.
 3. `_gated_norm_kernel`: RMSNorm of each value-head row of o, * weight * silu(z).
 
@@ -64,7 +65,8 @@ def _store_block(t_ptr, i: tl.constexpr, j: tl.constexpr, x):
 
 
 @triton.jit
-def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, t_ptr, T, Tp, C,
+def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr,
+               t_ptr, T, Tp, C, scale,
                NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     chunk, bh = tl.program_id(0), tl.program_id(1)
@@ -82,10 +84,20 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, (b * T + t) * NV + h, h, mt)
     gc = tl.cumsum(g, axis=0)  # [64] log decay from the chunk start
 
+    q = tl.load(k_ptrs - NK * DK, mask=k_mask, other=0.0)  # [64, BK]
+    q_norm = scale * tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1) + 1e-6)
+    causal, lower = r[:, None] >= r[None, :], r[:, None] > r[None, :]
+    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))  # [64, 64], no exp of the upper half
+
+    # for the sequential kernel, so that it only does the four state-dependent dots: the output's intra-chunk
+    # attention q_i . k_j exp(gc_i - gc_j) (i >= j) of scaled queries and normed keys, and the row scales of
+    # its q S and k^T v_new dots (stored at the end)
+    attn = tl.where(causal, tl.dot(q, tl.trans(k)) * q_norm[:, None] * k_norm[None, :] * decay, 0.0)
+    scratch = bh * Tp + t  # padded rows: always in bounds
+    tl.store(attn_ptr + scratch[:, None] * 64 + r[None, :], attn)
+
     # A = beta_i (k_i . k_j) exp(gc_i - gc_j) of normed keys, strictly lower, through this chunk's scratch
-    lower = r[:, None] > r[None, :]
-    a = tl.dot(k, tl.trans(k)) * (beta * k_norm)[:, None] * k_norm[None, :]  # [64, 64]
-    a = tl.where(lower, a * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    a = tl.where(lower, tl.dot(k, tl.trans(k)) * (beta * k_norm)[:, None] * k_norm[None, :] * decay, 0.0)
     t_ptr += (bh * Tp + chunk * 64) * 64
     tl.store(t_ptr + r[:, None] * 64 + r[None, :], a)
     tl.debug_barrier()  # A in scratch for every thread's block loads
@@ -124,14 +136,18 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     tt = tt.to(dt)
     u = tl.dot(tt, (v * beta[:, None]).to(dt))  # [64, BV]
     w = tl.dot(tt, (k * (beta * k_norm * tl.exp(gc))[:, None]).to(dt))  # [64, BK]
-    scratch = bh * Tp + t  # padded rows: always in bounds
     tl.store(u_ptr + scratch[:, None] * DV + iv[None, :], u.to(u_ptr.dtype.element_ty), mask=(iv < DV)[None, :])
     tl.store(w_ptr + scratch[:, None] * DK + ik[None, :], w.to(w_ptr.dtype.element_ty), mask=(ik < DK)[None, :])
     tl.store(gc_ptr + scratch, gc)
 
+    tl.store(qs_ptr + scratch, q_norm * tl.exp(gc))
+    # the cumsum's own last element: gc reaches -1e3, where sum vs cumsum rounding would show through exp
+    gc_last = tl.sum(tl.where(r == 63, gc, 0.0), axis=0)
+    tl.store(ks_ptr + scratch, k_norm * tl.exp(gc_last - gc))
+
 
 @triton.jit
-def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, o_ptr, T, Tp, C, scale,
+def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr, state_ptr, o_ptr, T, Tp, C,
                         NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     pid_v, bh = tl.program_id(0), tl.program_id(1)
@@ -143,7 +159,6 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, o_ptr, T, Tp, 
     s_ptrs = state_ptr + (bh * DK + ik[:, None]) * DV + iv[None, :]
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV] fp32
     r = tl.arange(0, 64)
-    causal = r[:, None] >= r[None, :]
     dt = qkv_ptr.dtype.element_ty  # dot operands in the activation dtype (bf16 tensor cores), fp32 accumulation
     for chunk in range(tl.cdiv(T, 64)):
         t = chunk * 64 + r
@@ -153,22 +168,17 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, state_ptr, o_ptr, T, Tp, 
         u = tl.load(u_ptr + scratch[:, None] * DV + iv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         v_new = u - tl.dot(w.to(dt), s.to(dt))  # [64, BV]
 
-        # q and k stay raw in the dots; their L2 norms (and q's scale) are applied to the dot results
+        # q and k stay raw in the dots; their norms, scale and decays are the precomputed row scales
         qk_rows = qkv_ptr + ((b * T + t) * C)[:, None] + hk * DK + ik[None, :]
         q = tl.load(qk_rows, mask=mt[:, None] & mk[None, :], other=0.0)  # [64, BK]
         k = tl.load(qk_rows + NK * DK, mask=mt[:, None] & mk[None, :], other=0.0)  # [64, BK]
-        q_norm = scale * tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1) + 1e-6)  # [64]
-        k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)  # [64]
-        gc = tl.load(gc_ptr + scratch)  # [64]
-        gc_last = tl.load(gc_ptr + bh * Tp + chunk * 64 + 63)
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        attn = tl.dot(q.to(dt), tl.trans(k.to(dt))) * q_norm[:, None] * k_norm[None, :]  # [64, 64]
-        attn = tl.where(causal, attn * decay, 0.0)
-        o = tl.dot(q.to(dt), s.to(dt)) * (q_norm * tl.exp(gc))[:, None] + tl.dot(attn.to(dt), v_new.to(dt))
+        attn = tl.load(attn_ptr + scratch[:, None] * 64 + r[None, :])  # [64, 64]
+        q_scale, k_scale = tl.load(qs_ptr + scratch), tl.load(ks_ptr + scratch)  # [64]
+        chunk_decay = tl.exp(tl.load(gc_ptr + bh * Tp + chunk * 64 + 63))
+        o = tl.dot(q.to(dt), s.to(dt)) * q_scale[:, None] + tl.dot(attn.to(dt), v_new.to(dt))
         o_ptrs = o_ptr + ((b * T + t) * NV + h)[:, None] * DV + iv[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-        v_to_end = (v_new * (k_norm * tl.exp(gc_last - gc))[:, None]).to(dt)
-        s = s * tl.exp(gc_last) + tl.dot(tl.trans(k.to(dt)), v_to_end)
+        s = s * chunk_decay + tl.dot(tl.trans(k.to(dt)), (v_new * k_scale[:, None]).to(dt))
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
@@ -192,9 +202,10 @@ def _blocks(dk: int, dv: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))  # tl.dot needs >= 16
 
 
-def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int):
-    """Per chunk of conv output qkv [B, T, C]: u [B, nv, Tp, dv], w [B, nv, Tp, dk] (activation dtype) and
-    gc [B, nv, Tp] fp32, Tp = T rounded up to the chunk."""
+def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) -> dict:
+    """Per chunk of conv output qkv [B, T, C], with Tp = T rounded up to the chunk: u [B, nv, Tp, dv] and
+    w [B, nv, Tp, dk] (activation dtype); fp32 gc (in-chunk log decay), q_scale, k_scale [B, nv, Tp] and
+    attn [B, nv, Tp, 64] (the output's intra-chunk attention, activation dtype)."""
     B, T, C = qkv.shape
     nv, nk = a.shape[-1], num_k_heads
     BK, BV = _blocks(dk, dv)
@@ -203,15 +214,17 @@ def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int):
     u = torch.empty(B, nv, Tp, dv, dtype=qkv.dtype, device=qkv.device)
     w = torch.empty(B, nv, Tp, dk, dtype=qkv.dtype, device=qkv.device)
     gc = torch.empty(B, nv, Tp, dtype=torch.float32, device=qkv.device)
+    q_scale, k_scale = torch.empty_like(gc), torch.empty_like(gc)
+    attn = torch.empty(B, nv, Tp, CHUNK, dtype=qkv.dtype, device=qkv.device)
     t_scratch = torch.empty(B, nv, Tp, CHUNK, dtype=torch.float32, device=qkv.device)  # A, then (I + A)^-1
     _wy_kernel[(n_chunks, B * nv)](
-        qkv, a, b, A_log, dt_bias, u, w, gc, t_scratch, T, Tp, C,
+        qkv, a, b, A_log, dt_bias, u, w, gc, q_scale, k_scale, attn, t_scratch, T, Tp, C, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8,
     )  # fmt: skip
-    return u, w, gc
+    return dict(u=u, w=w, gc=gc, q_scale=q_scale, k_scale=k_scale, attn=attn)
 
 
-def chunk_delta_rule(qkv, u, w, gc, recurrent_state, num_k_heads: int) -> torch.Tensor:
+def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.Tensor:
     """o [B, T, nv, dv] (activation dtype) of the delta rule over the chunks, from and into recurrent_state."""
     B, T, C = qkv.shape
     nv, dk, dv = recurrent_state.shape[1:]
@@ -220,7 +233,8 @@ def chunk_delta_rule(qkv, u, w, gc, recurrent_state, num_k_heads: int) -> torch.
     BV = min(BV, 32)  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
     o = torch.empty(B, T, nv, dv, dtype=qkv.dtype, device=qkv.device)
     _chunk_state_kernel[(triton.cdiv(dv, BV), B * nv)](
-        qkv, u, w, gc, recurrent_state, o, T, u.shape[2], C, dk**-0.5,
+        qkv, wy["u"], wy["w"], wy["gc"], wy["q_scale"], wy["k_scale"], wy["attn"], recurrent_state, o,
+        T, wy["u"].shape[2], C,
         NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8, num_stages=3,
     )  # fmt: skip
     return o
@@ -244,6 +258,6 @@ def gated_delta_net_prefill(
         assert t.is_contiguous()
     dk, dv = recurrent_state.shape[2:]
     qkv = causal_conv1d(mixed_qkv, conv_state, conv_weight)  # [B, T, C]
-    u, w, gc = wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads, dk, dv)
-    o = chunk_delta_rule(qkv, u, w, gc, recurrent_state, num_k_heads)
+    wy = wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads, dk, dv)
+    o = chunk_delta_rule(qkv, wy, recurrent_state, num_k_heads)
     return gated_norm(o, z, norm_weight, eps)
