@@ -1,4 +1,4 @@
-"""Triton attention pieces: fused q/k RMSNorm + partial RoPE, and flash-decoding over the static KV cache.
+"""Triton attention: fused q/k RMSNorm + partial RoPE, flash-decoding and causal prefill over the static KV cache.
 
 `attention` with T == 1 (decode) runs two kernels: a split-K pass where one program owns (row, kv head,
 split) and computes all the q heads of its group against one load of each K/V tile (GQA), reading only
