@@ -127,7 +127,10 @@ def main() -> None:
         0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)
     )
     prompts = prompts.tolist()
-    print(f"model ready in {time.perf_counter() - t_start:.1f}s ({arch['num_hidden_layers']} layers, configs: {how})", flush=True)
+    print(
+        f"model ready in {time.perf_counter() - t_start:.1f}s ({arch['num_hidden_layers']} layers, configs: {how})",
+        flush=True,
+    )
 
     out = Path(args.out)
     result = {

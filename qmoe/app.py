@@ -63,8 +63,9 @@ def get_model(cfg: DictConfig, s: Settings, progress: bool) -> LoadedModel:
 
 
 def make_runner(s: Settings, model: Qwen35MoE, cfg: DictConfig, ledger: TransferLedger):
-    """reference: the eager model; host / cuda_native: the program exported under cfg.export (exported once per
-    process and method split, see qmoe.runtime.executor). Invalid combinations are a one-line ConfigError."""
+    """reference: the eager model; host / cuda_native: the program saved in runtime.program, else exported
+    in-process under cfg.export (once per process and method, see qmoe.runtime.executor). Invalid
+    combinations are a one-line ConfigError."""
     has_cuda = s.device.type == "cuda"
     planning = bool(OmegaConf.select(cfg, "export.device_memory_planning", default=False))
     split = OmegaConf.select(cfg, "export.method_split", default="split")
@@ -81,10 +82,16 @@ def make_runner(s: Settings, model: Qwen35MoE, cfg: DictConfig, ledger: Transfer
         return ReferenceRunner(model, s.sampling, s.batch_size, ledger)
     from qmoe.export import ExportSettings
     from qmoe.runtime.cuda_native import CudaNativeRunner
-    from qmoe.runtime.executor import build_program
+    from qmoe.runtime.executor import build_program, load_program
     from qmoe.runtime.host import HostRunner
 
-    program = build_program(model, ExportSettings.from_cfg(cfg.export), s.batch_size, s.max_seq_len)
+    settings = ExportSettings.from_cfg(cfg.export)
+    saved = OmegaConf.select(cfg, "runtime.program", default=None)
+    if saved:
+        identity = get_model(cfg, s, progress=False).identity  # cached: the weights this model was built with
+        program = load_program(saved, model, identity, settings)
+    else:
+        program = build_program(model, settings, s.batch_size, s.max_seq_len)
     runner = HostRunner if s.runtime == "host" else CudaNativeRunner
     return runner(program, model, s.sampling, s.batch_size, ledger, cuda_graph=graphs)
 

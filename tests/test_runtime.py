@@ -13,7 +13,7 @@ import torch
 from compose import compose_config
 
 from qmoe.app import run_experiment
-from qmoe.export import ExportSettings
+from qmoe.export import ExportError, ExportSettings
 from qmoe.model import ModelConfig, build_model
 from qmoe.runtime.combos import combination_error, resolve_cuda_graph
 from qmoe.runtime.cuda_native import CudaNativeRunner
@@ -126,6 +126,36 @@ def test_app_host_runner_results(tmp_path, model):
     assert tr["setup"]["runtime"] == "host" and tr["setup"]["preset"] == "copy_elided"
     assert tr["setup"]["cuda_graph"] is False and tr["setup"]["copy_nodes"] == {"forward": [], "sample": []}
     assert tr["per_decode_token"] == {"h2d": {"count": 0, "bytes": 0}, "d2h": {"count": 0, "bytes": 0}}
+
+
+def test_app_loads_a_saved_program(tmp_path):
+    """runtime.program: the saved directory is loaded (not re-exported) and must match the export config."""
+    from qmoe.app import get_model
+    from qmoe.settings import validate
+
+    args = ("logger=none", "generation.max_new_tokens=4", "prompt.token_ids=[2,7,1,8]", "runtime=host")
+    cfg = compose_config(*args, "export=device_planned", "export.method_split=forward_only")
+    s = validate(cfg)
+    model, identity, _ = get_model(cfg, s, progress=False)
+    model.setup_caches(s.batch_size, s.max_seq_len)
+    build_program(model, ExportSettings.from_cfg(cfg.export), s.batch_size, s.max_seq_len).save(
+        tmp_path / "p", identity
+    )
+    fresh = run_experiment(cfg, run_dir=tmp_path / "fresh")
+    loaded = run_experiment(
+        compose_config(
+            *args, "export=device_planned", "export.method_split=forward_only", f"runtime.program={tmp_path / 'p'}"
+        ),
+        run_dir=tmp_path / "loaded",
+    )
+    assert loaded["generated"] == fresh["generated"]
+    with pytest.raises(ExportError, match="^refusing program .*exported with"):
+        run_experiment(
+            compose_config(
+                *args, "export=copy_elided", "export.method_split=forward_only", f"runtime.program={tmp_path / 'p'}"
+            ),
+            run_dir=tmp_path / "bad",
+        )
 
 
 def test_invalid_combination_is_one_line_exit_2():

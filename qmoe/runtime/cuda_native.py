@@ -20,6 +20,8 @@ from qmoe.settings import ConfigError, SamplingSettings
 
 class CudaNativeRunner(ProgramRunner):
     name = "cuda_native"
+    # per split: the prefill method, then the methods of a decode step (the ones CUDA graphs replay)
+    METHODS = {"split": ("forward", "forward", "sample"), "fused": ("prefill", "decode")}
 
     def __init__(self, program, model, sampling: SamplingSettings, batch, ledger, cuda_graph: bool = True):
         self.split = program.settings.method_split
@@ -29,8 +31,8 @@ class CudaNativeRunner(ProgramRunner):
                 f"fused); {self.split} leaves sampling to the host (use runtime=host)"
             )
         # prefill-phase and decode-phase method of each split: they read the same or their own input buffers
-        self.first, self.next = ("forward", "forward") if self.split == "split" else ("prefill", "decode")
-        super().__init__(program, model, batch, ledger, cuda_graph, graphed=sorted({self.next, *self._samplers}))
+        self.first, self.next = self.METHODS[self.split][:2]
+        super().__init__(program, model, batch, ledger, cuda_graph, graphed=self.METHODS[self.split][1:])
         values = {name: getattr(sampling, name) for name in SAMPLING_NAMES if name != "step"}
         for method in self._samplers:  # constants: filled in place once (a fill kernel, nothing is copied)
             for name, value in values.items():

@@ -1,7 +1,8 @@
 """Executor: exported programs for the `host` and `cuda_native` runners.
 
-- Programs: torch.export runs once per (model, method, batch, length, kernels) per process; each export preset
-  re-lowers and re-plans those exported methods (cheap), so a sweep exports each method once.
+- Programs: loaded from a saved program directory (`runtime.program`), or exported in-process: torch.export
+  runs once per (model, method, batch, length, kernels) per process and each export preset re-lowers and
+  re-plans those exported methods (cheap), so a sweep exports each method once.
 - Arenas: a Program allocates its planned arenas once per device; the executor re-allocates the host arena in
   pinned memory when the delegate is a GPU (copies from and to it are true async DMA and can sit next to CUDA
   graphs), before any buffer is handed out. Nothing else is allocated per step by the executor.
@@ -14,7 +15,7 @@
 
 import torch
 
-from qmoe.export import ExportSettings, Program
+from qmoe.export import ExportError, ExportSettings, Program
 from qmoe.export.methods import export_methods
 from qmoe.runtime.graphs import graph_delegates
 from qmoe.runtime.ledger import TransferLedger
@@ -32,8 +33,25 @@ def build_program(model, settings: ExportSettings, batch_size: int, max_seq_len:
         exported = export_methods(model, settings.method_split, batch_size, max_seq_len)
         _EXPORTED.update({keys[m]: (model, ep) for m, ep in exported.items()})
     exported = {m: _EXPORTED[k][1] for m, k in keys.items()}
-    program = Program(exported, model, settings, batch_size, max_seq_len)
-    if program.arenas is not None and "cpu" in program.arenas and model.device.type == "cuda":
+    return pin_host_arena(Program(exported, model, settings, batch_size, max_seq_len))
+
+
+def load_program(directory, model, weights_identity: dict, settings: ExportSettings) -> Program:
+    """A saved program directory (qmoe.export.artifact), refused unless it was exported with `settings`."""
+    from qmoe.export import load_program as load
+
+    program = load(directory, model, weights_identity)
+    if program.settings != settings:
+        raise ExportError(
+            f"refusing program {directory}: exported with {program.settings.to_dict()}, the config asks for "
+            f"{settings.to_dict()}"
+        )
+    return pin_host_arena(program)
+
+
+def pin_host_arena(program: Program) -> Program:
+    """With a GPU delegate, the host arena in pinned memory (before any buffer of it is handed out)."""
+    if program.arenas is not None and "cpu" in program.arenas and program.delegate_device.startswith("cuda"):
         # Methods share this dict: replacing the entry re-binds every host buffer they hand out.
         program.arenas["cpu"] = torch.empty(program.arenas["cpu"].numel(), dtype=torch.uint8, pin_memory=True)
     return program
