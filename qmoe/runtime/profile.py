@@ -24,10 +24,10 @@ def memcpy_totals(trace_events: list[dict]) -> dict:
 
 
 def profiled_memcpys(fn) -> tuple[object, dict]:
-    """Run fn() under torch.profiler (CPU + CUDA activity) -> (fn's result, memcpy_totals)."""
+    """Run fn() under torch.profiler (CUDA activity: kernels and memcpys) -> (fn's result, memcpy_totals)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = fn()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")
