@@ -300,6 +300,7 @@ _counters = {}  # device -> int32 zeros, one per row; the last program of a row 
 
 def arrival_counters(n: int, device) -> torch.Tensor:
     """Zeroed per-row counters for the split stats pass, kept between calls (one launch at a time per device)."""
+    device = torch.device(device)
     buf = _counters.get(device)
     if buf is None or buf.numel() < n:
         buf = _counters[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
