@@ -7,9 +7,10 @@ Same semantics as `naive.py` (read its docstring); per row, programs stream the 
    and the number of finite logits. At small batch the row is split over `split` programs; each writes its
    chunk's stats and the last to finish (an atomic counter, no waiting) combines them and goes on alone.
 2. search pass: counts (and masses, for top-p without top-k) of x >= s_j at NT logit thresholds spread
-   geometrically between the max and the smallest logit, and, for rows without top-k, a speculative
-   gather of every x >= s where s is a provable lower bound of the cut (min-p: p(s) < min_p; top-p: the
-   tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass).
+   geometrically between the max and the smallest logit, and a speculative gather of every x >= s, kept if
+   s proves to be at or below the cut (min-p: p(s) < min_p; top-p: the tokens with normalised
+   p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at least k tokens gathered) and at
+   most CAP tokens were gathered.
 3. gather pass, only if 2. did not gather a usable set: all x >= s_j for the highest threshold that is
    provably at or below the cut and holds at most CAP tokens. The exact top-k / top-p / min-p cut is found
    on the <= CAP gathered logits in registers (bisection of their keys), and the token is drawn by an
@@ -197,12 +198,14 @@ def _sample_kernel(
         j = tl.arange(0, NT)
         frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
         thr = tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])  # [R, NT] decreasing
-        # speculative gather threshold (rows without top-k): a provable lower bound of the cut, else +inf
-        spec = tl.full((R,), float("-inf"), tl.float32)
-        spec = tl.where(mp_on, m + (log2_min_p - 1.0) / c, spec)  # p(spec) ~ min_p / 2 < min_p
-        tail = (1.0 - top_p) / V  # tokens with p / total < tail hold < 1 - top_p of the mass
-        spec = tl.where(p_on, tl.maximum(spec, m + tl.log2(tail * total) / c), spec)
-        spec = tl.where(filtered & ~k_on, tl.minimum(spec, m), float("inf"))  # the max is always kept
+        # speculative gather threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p: tokens
+        # with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept if
+        # at least k tokens are at or above it
+        tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
+        spec = m + tl.log2(tail * total) / c
+        spec_min_p = m + (log2_min_p - 1.0) / c
+        spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
+        spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
         use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
         cnt = tl.zeros((R, NT), tl.int64)
         mass = tl.zeros((R, NT), tl.float32)
@@ -222,8 +225,10 @@ def _sample_kernel(
             tl.store(buf_idx + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
             n_spec += tl.sum(take.to(tl.int64), 1)
             mass_spec += tl.sum(tl.where(take, p, 0.0), 1)
-        spec_ok = (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
-        gathered = filtered & ~k_on & spec_ok & (n_spec <= CAP)
+        spec_ok = tl.where(
+            k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
+        )
+        gathered = filtered & spec_ok & (n_spec <= CAP)
         # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
         below_cut = tl.where(
             k_on[:, None],

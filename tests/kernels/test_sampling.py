@@ -24,6 +24,7 @@ COMBOS = [
     (0.8, 12, 0.95, 0.05),  # all three
     (2.0, 3, 1.0, 0.0),  # small k, flat distribution
     (1.0, 0, 0.5, 0.2),  # top-p and min-p without top-k
+    (0.6, 30, 1.0, 0.0),  # large k on a peaked row: the kernel's first gather misses part of the top-k set
 ]
 
 
@@ -83,7 +84,7 @@ def test_filtered_distribution_matches_its_definition():
 @pytest.mark.parametrize(
     "V, draws, cap",
     [
-        (16, 12_500, None),  # power of two, all gathered in the first pass: 8 combos x 12.5k = 100k draws
+        (16, 11_200, None),  # power of two: 9 combos x 11.2k = 100k draws
         (43, 4_000, None),  # prime V: a masked tail in every block (the interpreter is slow: fewer draws)
         (40, 1_500, 8),  # a buffer of 8 slots: most rows take the exact full-row bisection fallback
     ],
@@ -101,7 +102,7 @@ def test_torch_sampler_distribution_chi_square():
     # the torch sampler (own hash instead of Philox) must pass the same test
     torch.manual_seed(1)
     logits = torch.randn(64) * 1.5
-    tokens = draw_combos(naive.sample, logits, COMBOS, 12_500)
+    tokens = draw_combos(naive.sample, logits, COMBOS, 11_200)
     for combo, row in zip(COMBOS, tokens):
         assert chi_square_pvalue(row, filtered_distribution(logits, *combo)) > 1e-3, combo
 
