@@ -207,24 +207,28 @@ def _sample_kernel(
         spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
         spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
         use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
-        cnt = tl.zeros((R, NT), tl.int64)
-        mass = tl.zeros((R, NT), tl.float32)
+        # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
+        cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
+        mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
+        mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
         n_spec = tl.zeros((R,), tl.int64)
-        mass_spec = tl.zeros((R,), tl.float32)
         for off in range(0, V, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
             x, cols, msk = _load_block(base, off, V, filtered, BLOCK_T)
             x = tl.where(x != x, float("-inf"), x)
             p = tl.exp2((x - m[:, None]) * c[:, None])
-            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK, NT]
-            cnt += tl.sum(ge.to(tl.int64), 1)
+            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
+            cnt_slots += ge.to(tl.int32)
             if use_mass:
-                mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
+                mass_slots += tl.where(ge, p[:, :, None], 0.0)
             take = (x >= spec[:, None]) & msk
             pos = n_spec[:, None] + tl.cumsum(take.to(tl.int64), 1) - 1
             tl.store(buf_val + pos, x, mask=take & (pos < CAP))
             tl.store(buf_idx + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
             n_spec += tl.sum(take.to(tl.int64), 1)
-            mass_spec += tl.sum(tl.where(take, p, 0.0), 1)
+            mass_spec_slots += tl.where(take, p, 0.0)
+        cnt = tl.sum(cnt_slots.to(tl.int64), 1)  # [R, NT]
+        mass = tl.sum(mass_slots, 1)
+        mass_spec = tl.sum(mass_spec_slots, 1)
         spec_ok = tl.where(
             k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
         )
