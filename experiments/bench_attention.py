@@ -12,19 +12,18 @@ prefill step (its active-parameter GEMM FLOPs at the measured bf16 GEMM rate).
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, gemm_tflops, target, time_calls
 
 from kernels.attention import naive
 from kernels.attention import triton as tri
 from qmoe.metrics.measure import environment
 
 HQ, HKV, D, HIDDEN, ROT = 16, 2, 256, 2048, 64  # 35B-A3B attention layer
-L2_FLUSH_BYTES = 200 * 2**20  # > 3x the H200's L2: rotated inputs are read from HBM
 # 35B-A3B parameters touched per token in prefill, without lm_head: 10 attention layers (q+gate, k, v, o),
 # 30 DeltaNet layers (qkv, z, a, b, out), 40 MoE layers (8 routed + 1 shared expert of 3 x 2048 x 512, router)
 ACTIVE_PARAMS = (
@@ -32,55 +31,6 @@ ACTIVE_PARAMS = (
     + 30 * (2048 * 8192 + 2048 * 4096 + 2 * 2048 * 32 + 4096 * 2048)
     + 40 * (9 * 3 * 2048 * 512 + 2048 * 256)
 )
-
-
-def time_calls(fn, n: int, device: str, reps: int = 10) -> tuple[float, str]:
-    """Median µs per call of fn(0..n-1): replayed as one CUDA graph on the GPU (eager events if capture
-    fails), wall clock on CPU (smoke runs)."""
-    for i in range(n):
-        fn(i)  # compile and warm up
-    if device != "cuda":
-        start = time.perf_counter()
-        for i in range(n):
-            fn(i)
-        return (time.perf_counter() - start) * 1e6 / n, "cpu wall clock"
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n):
-                fn(i)
-        run, method = graph.replay, "cuda graph"
-    except Exception:  # a path that cannot be captured is timed eagerly, and the row says so
-        run, method = (lambda: [fn(i) for i in range(n)]), "eager"
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    return statistics.median(times), method
-
-
-def copy_bandwidth_gbs(device: str) -> float:
-    """Device copy ceiling: a 1 GiB copy, read + write bytes."""
-    nbytes = 2**30 if device == "cuda" else 2**24
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    us, _ = time_calls(lambda i: dst.copy_(src), 1, device, reps=10)
-    return 2 * nbytes / us / 1e3
-
-
-def gemm_tflops(device: str) -> float:
-    """bf16 GEMM ceiling at 8192^3."""
-    n = 8192 if device == "cuda" else 256
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    us, _ = time_calls(lambda i: a @ b, 3, device, reps=5)
-    return 2 * n**3 / us / 1e6
 
 
 def bench_decode(context: int, cache_len: int, device: str, dtype) -> dict:
@@ -135,13 +85,6 @@ def bench_prefill(T: int, cache_len: int, device: str, dtype) -> dict:
         row[f"{name}_attention_tflops"] = 4 * T * (T + 1) / 2 * D * HQ / us / 1e6  # causal FLOPs actually needed
     row["rest_of_layer_us"], _ = time_calls(rest, 2, device, reps=3)
     return row
-
-
-def target(what: str, value: float, limit: float, at_most: bool) -> dict:
-    met = value <= limit if at_most else value >= limit
-    missed_by = None if met else (value / limit if at_most else limit / value)  # how many times off
-    bound = f"{'<=' if at_most else '>='} {limit:.3g}"
-    return {"what": what, "value": value, "target": bound, "met": met, "missed_by_x": missed_by}
 
 
 def main():

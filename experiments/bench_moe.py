@@ -25,6 +25,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --smoke on a CPU-only machine
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchlib import ceilings as measure_ceilings  # noqa: E402
+
 from kernels.moe import naive  # noqa: E402
 from kernels.moe import triton as tri  # noqa: E402
 from qmoe.metrics.measure import environment  # noqa: E402
@@ -101,20 +103,6 @@ def grouped_mm_moe(x, w13, w2, topk_weights, topk_ids):
     down = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
     scale = topk_weights.flatten()[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, down * scale)
-
-
-def copy_bandwidth_gbs(device):
-    nbytes = 2**30 if device == "cuda" else 2**24
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / time_eager(lambda i: dst.copy_(src), 1, 10) / 1e3
-
-
-def gemm_tflops(device):
-    n = 8192 if device == "cuda" else 256
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n**3 / time_eager(lambda i: a @ b, 3, 5) / 1e6
 
 
 def bench_shape(name, s, m_values, device, dtype, ceilings):
@@ -204,7 +192,7 @@ def main():
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes, m_values = (SMOKE_SHAPES, SMOKE_M) if args.smoke else (SHAPES, M_VALUES)
     t0 = time.time()
-    ceilings = {"copy_gbs": copy_bandwidth_gbs(device), "bf16_gemm_tflops": gemm_tflops(device)}
+    ceilings = measure_ceilings(device)
     rows = [r for name, s in shapes.items() for r in bench_shape(name, s, m_values, device, dtype, ceilings)]
     targets = targets_for(rows, ceilings)
     result = {

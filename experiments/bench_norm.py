@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls
 
-from experiments.bench_attention import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls
 from kernels.attention import naive as attn_naive
 from kernels.attention import triton as attn_tri
 from kernels.norm import naive as norm_naive

@@ -24,8 +24,8 @@ import math
 import time
 
 import torch
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls, write_json
 
-from experiments.benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls, write_json
 from kernels.sampling import triton as fused
 
 VOCAB = 248_320

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
-# Stages: env, gpu_tests, tune_moe, bench_moe, bench_sampling, bench_gdn, bench_attention, bench_norm,
+# Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, bench_sampling, bench_gdn, bench_attention, bench_norm,
 #         bench_checkpoint, runtime, e2e.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,17 @@ run_stage() {
 for stage in "$@"; do
   case $stage in
     env) run_stage env python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
-    gpu_tests) run_stage gpu_tests python3 -m pytest -q -m gpu -x --timeout 300 tests ;;
+    gpu_tests) run_stage gpu_tests python3 -m pytest -q -m gpu -n 8 --timeout 400 -p no:cacheprovider tests ;;
+    hf_import) run_stage hf_import python3 -c "import traceback
+from qmoe.model.hf import transformers_qwen35_moe
+try:
+    print(transformers_qwen35_moe())
+except Exception as e:
+    traceback.print_exc()
+    c = e.__cause__
+    while c is not None:
+        print('CAUSE', type(c).__name__, c)
+        c = c.__cause__" ;;
     tune_moe) run_stage tune_moe python3 experiments/tune_moe.py ;;
     bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ;;
     bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py ;;
