@@ -224,10 +224,11 @@ def run_eager(model, prompt, steps):
     """(logits per step, tokens per step) of the eager model: prefill, then `steps` decode steps."""
     model.reset_caches()
     logits, tokens = [], []
-    x, pos = prompt, torch.zeros(B, dtype=torch.int64)
+    device = model.device
+    x, pos = prompt.to(device), torch.zeros(B, dtype=torch.int64, device=device)
     for step in range(steps + 1):
         out = model(x, pos)
-        tok = model.sample(out, *greedy_sampling(step))
+        tok = model.sample(out, *(t.to(device) for t in greedy_sampling(step)))
         logits.append(out)
         tokens.append(tok)
         pos = pos + x.shape[1]

@@ -66,13 +66,21 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor
     min_p = min_p.clamp(max=1)
 
     logits = logits.double()
-    greedy = logits.argmax(-1)
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     probs = torch.softmax(scaled, dim=-1)
     keep = filter_probs(probs, top_k, top_p, min_p)
     race = torch.where(keep, probs / -uniform_noise(seed, step, V).log(), -1.0)
-    drawn = race.argmax(-1)
-    token = torch.where(temperature > 0, drawn, greedy)
+    return with_special_rows(logits, torch.where(temperature > 0, race.argmax(-1), logits.argmax(-1)))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """sample() when every row has temperature 0, without the filters (which sort the vocabulary twice)."""
+    logits = logits.double()
+    return with_special_rows(logits, logits.argmax(-1))
+
+
+def with_special_rows(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """A +inf logit wins (lowest such index); a row with a NaN, or with only -inf, is INVALID_TOKEN."""
     pos_inf = logits == float("inf")
     token = torch.where(pos_inf.any(-1), pos_inf.int().argmax(-1), token)
     invalid = logits.isnan().any(-1) | (logits == float("-inf")).all(-1)

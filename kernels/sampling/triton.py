@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kernels.sampling.naive import INVALID_TOKEN
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: triton 3.6 refuses plain globals in kernels
 SPLIT_MAX = 64  # programs per row in the stats pass, at most
 
 

@@ -24,6 +24,7 @@ class HostRunner(ProgramRunner):
             )
         super().__init__(program, model, batch, ledger, cuda_graph, graphed=("forward",))
         self.params = sampling_tensors(sampling, batch, "cpu")
+        self.greedy = sampling.greedy
         V = model.config.vocab_size
         self.logits_host = torch.empty(batch, V, dtype=torch.float32, pin_memory=model.device.type == "cuda")
         self.pos = 0
@@ -40,7 +41,7 @@ class HostRunner(ProgramRunner):
             logits = self.put("forward", self.logits_host, logits)
         self.pos += T
         step = torch.full((B,), self.pos - 1, dtype=torch.int64)  # the sampler's step: the last input position
-        self.last = naive.sample(logits, step=step, **self.params)
+        self.last = naive.greedy(logits) if self.greedy else naive.sample(logits, step=step, **self.params)
         return self.last.clone()
 
     @torch.no_grad()

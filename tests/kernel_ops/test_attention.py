@@ -188,10 +188,10 @@ def greedy(model, tokens, steps):
     """Prefill then `steps` greedy decode steps -> (tokens [B, steps + 1], decode logits [steps, B, V])."""
     B, T = tokens.shape
     model.setup_caches(B, T + steps + 1)
-    nxt = model(tokens, torch.zeros(B, dtype=torch.int64)).argmax(-1)
+    nxt = model(tokens, torch.zeros(B, dtype=torch.int64, device=tokens.device)).argmax(-1)
     out, logits = [nxt], []
     for s in range(steps):
-        logits.append(model(nxt[:, None], torch.full((B,), T + s)))
+        logits.append(model(nxt[:, None], torch.full((B,), T + s, device=tokens.device)))
         nxt = logits[-1].argmax(-1)
         out.append(nxt)
     return torch.stack(out, 1), torch.stack(logits)

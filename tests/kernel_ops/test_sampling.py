@@ -356,3 +356,17 @@ def test_gpu_cuda_graph_replay_with_new_parameters():
         step += 1
         graph.replay()
         assert torch.equal(out, fused.sample(*args))
+
+
+def test_naive_greedy_equals_sample_at_temperature_zero():
+    """naive.greedy (the host runner's fast path) is sample() with every temperature 0, special rows included."""
+    logits = torch.randn(6, 50)
+    logits[1, 7] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[3, 9] = logits[3, 30] = float("inf")
+    logits[4, 11] = logits[4, 3] = logits[4].max() + 1  # tie: lowest index
+    zeros = torch.zeros(6)
+    ints = torch.zeros(6, dtype=torch.int64)
+    expected = naive.sample(logits, zeros, ints, torch.ones(6), zeros, ints, ints)
+    assert torch.equal(naive.greedy(logits), expected)
+    assert expected.tolist()[1:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 9, 3]
