@@ -231,11 +231,15 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
     nk = num_k_heads
     BK, BV = _blocks(dk, dv)
     BV = min(BV, 32)  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
+    # 16-bit operands: the chunk loads are pipelined 3 deep (32.5 KiB of shared memory at dk = dv = 128).
+    # fp32 (TF32) operands get no pipelining: 3 stages take 376.5 KiB there, 2 take 256 KiB (the H100/H200
+    # limit is 227 KiB), 1 takes 72 KiB
+    num_stages = 3 if qkv.element_size() <= 2 else 1
     o = torch.empty(B, T, nv, dv, dtype=qkv.dtype, device=qkv.device)
     _chunk_state_kernel[(triton.cdiv(dv, BV), B * nv)](
         qkv, wy["u"], wy["w"], wy["gc"], wy["q_scale"], wy["k_scale"], wy["attn"], recurrent_state, o,
         T, wy["u"].shape[2], C,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8, num_stages=3,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8, num_stages=num_stages,
     )  # fmt: skip
     return o
 
