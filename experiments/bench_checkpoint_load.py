@@ -15,7 +15,6 @@ shard's mapped pages count as RSS: cuda one shard + 1 GiB; cpu the weights + one
 """
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from qmoe.checkpoint import load_checkpoint, write_checkpoint  # noqa: E402
 from qmoe.checkpoint.synth import model_config  # noqa: E402
+from qmoe.metrics.measure import environment  # noqa: E402
 
 GiB = 1 << 30
 
@@ -121,11 +121,6 @@ def run_child(mode: str, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT)
-    return done.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/qmoe_ckpt_35b_l4"))
@@ -183,13 +178,9 @@ def main() -> None:
         t["missed_by"] = 0.0 if t["met"] else value / target - 1.0  # fraction over the target
 
     result = {
+        **environment(torch.device(args.device)),
         "name": "bench_checkpoint_load",
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable, *sys.argv]),
+        "cpu_cores": os.cpu_count(),
         "checkpoint": {"dir": str(args.dir), "bytes": total_bytes, "shards": len(files), "write_s": write_seconds},
         "ceilings": ceilings,
         "rows": rows,
@@ -210,15 +201,6 @@ def main() -> None:
     for t in targets:
         print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}" + ("" if t["met"] else f" (+{t['missed_by']:.0%})"))
     print(f"wrote {args.out}")
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return "absent"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 log="$OUT/session.log"
+export QMOE_GIT_COMMIT=${QMOE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 status=()
 run_stage() {
   local name=$1; shift

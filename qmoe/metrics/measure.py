@@ -1,6 +1,7 @@
 """Latency statistics, peak memory per device and the environment a result was measured in."""
 
 import datetime
+import os
 import platform
 import resource
 import subprocess
@@ -42,6 +43,10 @@ def peak_memory() -> dict:
 
 
 def git_commit() -> str | None:
+    """HEAD (with -dirty for uncommitted changes); QMOE_GIT_COMMIT overrides it where the tree travels without
+    its history (the device machine)."""
+    if os.environ.get("QMOE_GIT_COMMIT"):
+        return os.environ["QMOE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(
