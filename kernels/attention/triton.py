@@ -18,8 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # keys per tile
+BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
 MAX_SPLITS = 128
+# A K or V tile row (head block x element size) above this many bytes halves the tile bytes in flight:
+# fp32 at head dim 256 would need 272 KiB (decode) / 208 KiB (prefill) of shared memory with the
+# 16-bit configs, over or near the H200's 227 KiB.
+WIDE_ROW_BYTES = 512
 
 
 @triton.jit
@@ -230,6 +234,19 @@ def num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) 
     return max(1, min(triton.cdiv(2 * sms, batch * kv_heads), triton.cdiv(cache_len, BLOCK_N), MAX_SPLITS))
 
 
+def _decode_config(D: int, dtype: torch.dtype) -> dict:
+    """Launch options of the decode split kernel: wide rows (fp32 at head dim 256) drop the second pipeline
+    stage, so K and V tiles (64 KiB each) are single-buffered; the split geometry (BLOCK_N) stays."""
+    wide = max(triton.next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
+    return dict(BLOCK_N=BLOCK_N, num_warps=4, num_stages=1 if wide else 2)
+
+
+def _prefill_config(D: int, dtype: torch.dtype) -> dict:
+    """Launch options of the prefill kernel: wide rows (fp32 at head dim 256) take 32-key tiles."""
+    wide = max(triton.next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
+    return dict(BLOCK_M=64, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
+
+
 def decode_attention_into(q, k, v, k_cache, v_cache, positions, scale, out, o_part, lse_part) -> None:
     """One query token per row (T == 1): write k/v into the caches at positions[:, 0], then
     out [B, 1, HQ, D] = softmax(q K^T * scale) V over keys 0..pos. o_part [B, HQ, splits, D] and
@@ -247,8 +264,7 @@ def decode_attention_into(q, k, v, k_cache, v_cache, positions, scale, out, o_pa
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0),
         HQ=HQ, G=G, D=D, NUM_SPLITS=splits, BLOCK_G=max(triton.next_power_of_2(G), 16), BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_decode_config(D, k_cache.dtype),
     )  # fmt: skip
     _decode_reduce_kernel[(B, HQ)](
         o_part, lse_part, out, positions, positions.stride(0), out.stride(0), out.stride(2),
@@ -266,14 +282,14 @@ def prefill_attention_into(q, k, v, k_cache, v_cache, positions, scale, out) -> 
     batch = torch.arange(B, device=q.device)[:, None]  # [B, 1]
     k_cache[batch, :, positions] = k.to(k_cache.dtype)
     v_cache[batch, :, positions] = v.to(v_cache.dtype)
-    BLOCK_M, BLOCK_D = 64, max(triton.next_power_of_2(D), 16)
-    _prefill_kernel[(triton.cdiv(T, BLOCK_M), B * HQ)](
+    config = _prefill_config(D, k_cache.dtype)
+    _prefill_kernel[(triton.cdiv(T, config["BLOCK_M"]), B * HQ)](
         q, k_cache, v_cache, positions, out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        T, HQ=HQ, G=HQ // HKV, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if D >= 256 else 4, num_stages=2,
+        T, HQ=HQ, G=HQ // HKV, D=D, BLOCK_D=max(triton.next_power_of_2(D), 16),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip
 
 
