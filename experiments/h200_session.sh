@@ -19,9 +19,12 @@ run_stage() {
   local name=$1; shift
   local t0=$SECONDS
   echo "=== $name: $*" | tee -a "$log"
-  "$@" >>"$log" 2>&1
+  timeout "${STAGE_TIMEOUT:-590}" "$@" >>"$log" 2>&1
   local rc=$?
   status+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  # pack after every stage: a later stage that runs out of time loses nothing already measured
+  tar czf "$OUT/results.tar.gz" results kernels/moe/configs 2>/dev/null
+  printf '%s\n' "${status[@]}" >"$OUT/status.txt"
 }
 for stage in "$@"; do
   case $stage in
@@ -44,12 +47,10 @@ except Exception as e:
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;
     bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
-    runtime) run_stage runtime python3 experiments/runtime_acceptance.py ;;
-    e2e) run_stage e2e python3 experiments/bench_e2e.py ;;
+    runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
+    e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done
-tar czf "$OUT/results.tar.gz" results kernels/moe/configs 2>/dev/null
-printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
 tail -c 6000 "$log"
 printf '%s\n' "${status[@]}"

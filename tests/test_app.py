@@ -95,8 +95,9 @@ def test_wandb_failure_keeps_results(tmp_path, monkeypatch):
 
 def test_cli_default_run_under_60s(tmp_path):
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "run.py", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "run.py", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert time.perf_counter() - t0 < 60
     assert "TTFT" in p.stdout and str(tmp_path / "results.json") in p.stdout
@@ -105,9 +106,15 @@ def test_cli_default_run_under_60s(tmp_path):
 
 
 def test_multirun_one_results_per_job(tmp_path):
-    p = subprocess.run([sys.executable, "run.py", "-m", "generation.max_new_tokens=2,3", "logger=none",
-                        f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "run.py", "-m", "generation.max_new_tokens=2,3", "logger=none", f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
-    lengths = sorted(len(json.loads(f.read_text())["generated"]["token_ids"][0])
-                     for f in tmp_path.glob("*/results.json"))
+    lengths = sorted(
+        len(json.loads(f.read_text())["generated"]["token_ids"][0]) for f in tmp_path.glob("*/results.json")
+    )
     assert lengths == [2, 3]

@@ -81,11 +81,11 @@ def oracle_run(hf, tokens, steps):
 def ours_run(model, tokens, steps):
     B, T = tokens.shape
     model.setup_caches(B, T + steps + 1)
-    prefill = model(tokens, torch.zeros(B, dtype=torch.int64), all_logits=True)
+    prefill = model(tokens, torch.zeros(B, dtype=torch.int64, device=tokens.device), all_logits=True)
     nxt = prefill[:, -1].argmax(-1)
     step_logits, greedy = [], [nxt[:, None]]
     for s in range(steps):
-        step_logits.append(model(nxt[:, None], torch.full((B,), T + s)))
+        step_logits.append(model(nxt[:, None], torch.full((B,), T + s, device=tokens.device)))
         nxt = step_logits[-1].argmax(-1)
         greedy.append(nxt[:, None])
     return prefill, step_logits, torch.cat(greedy, 1)

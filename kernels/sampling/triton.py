@@ -30,7 +30,9 @@ import triton.language as tl
 
 from kernels.sampling.naive import INVALID_TOKEN
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: triton 3.6 refuses plain globals in kernels
+# Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
+LOG2E = tl.constexpr(1.4426950408889634)
+INVALID = tl.constexpr(INVALID_TOKEN)
 SPLIT_MAX = 64  # programs per row in the stats pass, at most
 
 
@@ -182,7 +184,7 @@ def _sample_kernel(
         n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0, volatile=True), 1)
         has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0, volatile=True), 1).to(tl.int32)
     invalid = (has_nan > 0) | (m == float("-inf"))
-    token = tl.where(invalid, INVALID_TOKEN, arg)  # greedy; an +inf logit wins (first one)
+    token = tl.where(invalid, INVALID, arg)  # greedy; an +inf logit wins (first one)
     active = sampled & ~invalid & (m < float("inf"))
 
     if tl.max(active.to(tl.int32)) > 0:

@@ -240,10 +240,12 @@ def test_gpu_prefill_then_decode(poison, dtype):
     x_ref = clone(x)
     prefill_tol, decode_tol, state_tol = GPU_TOL[dtype]
     check(run(gdn_triton, x, nk), run(naive, x_ref, nk), x, x_ref, prefill_tol, state_tol)
+    # The decode steps read the state the prefill left, with its (TF32 in fp32) error: the prefill's tolerance.
     for step in range(3):
         new = make_inputs(B, 1, **B35, dtype=dtype, device="cuda", seed=50 + step)
         new = {k: new[k] for k in ("mixed_qkv", "z", "a", "b")}
-        check(run(gdn_triton, x, nk, **new), run(naive, x_ref, nk, **new), x, x_ref, decode_tol, state_tol)
+        tol = max(decode_tol, prefill_tol)
+        check(run(gdn_triton, x, nk, **new), run(naive, x_ref, nk, **new), x, x_ref, tol, state_tol)
 
 
 @pytest.mark.gpu
