@@ -137,51 +137,51 @@ def main():
     active_bytes = model.config.param_counts()["active"] * model.dtype.itemsize
     floor_ms = active_bytes / (ceil["copy_gbs"] * 1e9) * 1e3
 
-    rows = []
+    rows: list[dict] = []
+    targets: list[dict] = []
+    profiles: dict = {}
+
+    def save():  # after every row: a run cut short keeps what it measured
+        write_json(
+            args.out,
+            "e2e",
+            device,
+            ceilings=ceil,
+            active_weight_bytes=active_bytes,
+            floor_ms=floor_ms,
+            rows=rows,
+            targets=targets,
+            profiles=profiles,
+            seconds=time.time() - t0,
+        )
+
     for L in prompts:
         r = run_experiment(config(*model_args, *fast, f"prompt.length={L}", f"generation.max_new_tokens={new_tokens}"))
         rows.append(row_from(r, "qmoe " + " ".join(fast), floor_ms))
+        targets.append(target(f"decode ms/token, prompt {L}", rows[-1]["decode_ms_p50"], 2.0, at_most=True))
+        if L == prompts[-1]:
+            targets.append(target(f"prefill tokens/s, prompt {L}", rows[-1]["prefill_tokens_per_s"], 25000, False))
+        save()
     for B in batches:
         r = run_experiment(
             config(
-                *model_args, *fast, f"generation.batch_size={B}", "prompt.length=128", "generation.max_new_tokens=64"
+                *model_args, *fast, f"generation.batch_size={B}", "prompt.length=128", "generation.max_new_tokens=32"
             )
         )
         rows.append(row_from(r, f"qmoe batch {B}", floor_ms))
+        save()
+    model.setup_caches(1, model.max_seq_len)
+    rows.append(transformers_row(model, prompts[0], hf_new, model.device))
+    save()
     for L in prompts:
         r = run_experiment(
             config(*model_args, "runtime=reference", f"prompt.length={L}", "generation.max_new_tokens=32")
         )
         rows.append(row_from(r, "qmoe reference runner (torch ops, eager)", floor_ms))
-    model.setup_caches(1, model.max_seq_len)
-    rows.append(transformers_row(model, prompts[0], hf_new, model.device))
-
+        save()
     model.set_kernels({g: "torch" if args.smoke else "triton" for g in ("moe", "gdn", "attention", "norm")})
-    profiles = profile(model, prompts[0], out_dir)
-
-    b1 = [r for r in rows if r["label"].startswith("qmoe runtime") or r["label"].startswith("qmoe " + fast[0])]
-    targets = []
-    for r in b1:
-        targets.append(target(f"decode ms/token, prompt {r['prompt_len']}", r["decode_ms_p50"], 2.0, at_most=True))
-    long_prompt = [r for r in b1 if r["prompt_len"] == prompts[-1]]
-    if long_prompt:
-        targets.append(
-            target(
-                f"prefill tokens/s, prompt {prompts[-1]}", long_prompt[0]["prefill_tokens_per_s"], 25000, at_most=False
-            )
-        )
-    write_json(
-        args.out,
-        "e2e",
-        device,
-        ceilings=ceil,
-        active_weight_bytes=active_bytes,
-        floor_ms=floor_ms,
-        rows=rows,
-        targets=targets,
-        profiles=profiles,
-        seconds=time.time() - t0,
-    )
+    profiles.update(profile(model, prompts[0], out_dir))
+    save()
 
     print(f"copy {ceil['copy_gbs']:.0f} GB/s; active weights {active_bytes / 1e9:.2f} GB -> floor {floor_ms:.3f} ms")
     print(
