@@ -126,17 +126,24 @@ def test_transformers_bridge_can_share_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
-def test_matches_transformers_on_gpu(dtype, tol):
-    """Same check on CUDA (TF32 / bf16 tolerances), with the GPU image's transformers."""
+def test_matches_transformers_on_gpu():
+    """On CUDA with the GPU image's transformers: fp32 within TF32 tolerance; in bf16 ours is as close to the fp32
+    oracle as transformers' own bf16 run (two bf16 implementations differ by about twice their rounding)."""
     cfg = ModelConfig.from_dict(CONFIGS["odd"])
-    model = build_model(cfg, dtype, "cuda", seed=1)
-    hf = to_transformers(model)
+    model32 = build_model(cfg, torch.float32, "cuda", seed=1)
+    hf32 = to_transformers(model32)
     tokens = torch.randint(0, cfg.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(2)).cuda()
-    ref_prefill, ref_steps, _ = oracle_run(hf, tokens, 4)
-    prefill, steps, _ = ours_run(model, tokens, 4)
-    assert rel(prefill, ref_prefill) < tol
-    assert all(rel(a, b) < tol for a, b in zip(steps, ref_steps))
+    ref_prefill, ref_steps, _ = oracle_run(hf32, tokens, 4)
+    prefill, steps, _ = ours_run(model32, tokens, 4)
+    assert rel(prefill, ref_prefill) < 1e-3
+    assert all(rel(a, b) < 1e-3 for a, b in zip(steps, ref_steps))
+
+    model16 = build_model(cfg, torch.bfloat16, "cuda", seed=None)
+    model16.load_state_dict({k: v.bfloat16() for k, v in model32.state_dict().items()})
+    hf_prefill, _, _ = oracle_run(to_transformers(model16), tokens, 4)
+    prefill16, _, _ = ours_run(model16, tokens, 4)
+    err_hf, err_ours = rel(hf_prefill, ref_prefill), rel(prefill16, ref_prefill)
+    assert err_ours < 1.5 * err_hf + 1e-3
 
 
 @pytest.mark.gpu

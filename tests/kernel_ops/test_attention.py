@@ -290,7 +290,7 @@ def test_tiny_model_bf16_logits_gpu():
     model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     fp32 = logits_along(model32, tokens, continuation)
     err_torch, err_triton = rel_err(torch_bf16, fp32), rel_err(triton_bf16, fp32)
-    assert err_torch < 5e-2
+    assert err_torch < 0.1  # bf16 rounding through 4 layers and 24 cached steps of O(1) random weights
     assert err_triton < 1.5 * err_torch + 1e-3
 
 
