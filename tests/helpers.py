@@ -1,6 +1,18 @@
-"""Helpers for kernel tests: NaN-poisoned outputs and relative error against a reference."""
+"""Test helpers: the tiny model's architecture, NaN-poisoned outputs, relative error against a reference."""
+
+from pathlib import Path
 
 import torch
+import yaml
+
+from qmoe.model import ModelConfig
+
+# The default model (configs/model/qwen35_moe_tiny.yaml): every structural feature at CPU-test size.
+TINY_ARCH = yaml.safe_load((Path(__file__).parents[1] / "configs/model/qwen35_moe_tiny.yaml").read_text())["arch"]
+
+
+def tiny_config(**changes) -> ModelConfig:
+    return ModelConfig.from_dict({**TINY_ARCH, **changes})
 
 
 def poisoned(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:

@@ -15,27 +15,10 @@ from qmoe.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
 from qmoe.checkpoint.synth import model_config, write_configs
 from qmoe.model import ModelConfig, build_model
 from qmoe.model.hf import to_transformers
+from tests.helpers import tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    full_attention_interval=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    max_position_embeddings=4096,
-)
+TINY = tiny_config()
 MM, TEXT = "model.language_model.", "model."
 SHARD_BYTES = 300_000  # the tiny fp32 model (~1.6 MB) spreads over several shards
 
@@ -158,7 +141,7 @@ def test_hashes_identify_config_index_and_shards(tmp_path):
 
 
 def test_big_vocab_configs_carry_qwen_eos_ids(tmp_path):
-    big = ModelConfig(**{**TINY.to_dict(), "vocab_size": 248320})
+    big = tiny_config(vocab_size=248320)
     write_configs(big, tmp_path, MM, torch.bfloat16)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe" and config["text_config"]["eos_token_id"] == 248044

@@ -8,31 +8,13 @@ from pathlib import Path
 import torch
 
 from qmoe.checkpoint import write_checkpoint, write_tokenizer
-from qmoe.model import ModelConfig, build_model
+from qmoe.model import build_model
 from qmoe.model.hf import to_transformers
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # vocab 512 holds the 256 byte tokens, the BPE merges and Qwen's special tokens at the top ids
-TINY = ModelConfig.from_dict(
-    dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    )
-)
+TINY = tiny_config()
 
 
 def run_cli(tmp_path, *args) -> dict:

@@ -5,26 +5,9 @@ import torch
 
 from qmoe.model import ModelConfig, build_model
 from qmoe.model.hf import to_transformers
+from tests.helpers import TINY_ARCH
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    full_attention_interval=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    max_position_embeddings=4096,
-)
+TINY = TINY_ARCH
 CONFIGS = {
     "tiny": TINY,
     # odd sizes everywhere: hidden 72, 5 experts top-3, intermediate 24, vocab 301, 3 v heads per k head

@@ -9,27 +9,10 @@ import torch
 
 from qmoe.checkpoint import CheckpointError, load_tokenizer, special_token_ids, write_tokenizer
 from qmoe.checkpoint.synth import write_configs
-from qmoe.model import ModelConfig
+from tests.helpers import tiny_config
 
 VOCAB = 512
-CFG = ModelConfig(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    full_attention_interval=2,
-)
+CFG = tiny_config(num_hidden_layers=2)
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",  # words seen in training: merged tokens
     "zyxwvut qqq",  # unseen: falls back to single bytes
@@ -112,7 +95,7 @@ def test_generated_ids_decode_up_to_eos(ckpt):
 
 
 def test_qwen_sized_vocab_uses_released_ids(tmp_path):
-    big = ModelConfig(**{**CFG.to_dict(), "vocab_size": 248320})
+    big = tiny_config(num_hidden_layers=2, vocab_size=248320)
     write_configs(big, tmp_path, "model.", torch.bfloat16)
     write_tokenizer(tmp_path, big.vocab_size)
     tok = load_tokenizer(tmp_path)

@@ -5,8 +5,8 @@ import torch
 
 from kernels.attention import naive
 from kernels.attention import triton as tri
-from qmoe.model import ModelConfig, build_model
-from tests.helpers import poisoned, rel_err
+from qmoe.model import build_model
+from tests.helpers import poisoned, rel_err, tiny_config
 
 EPS = 1e-6
 # qk_norm_rope rounds once where naive rounds after each op; decode attention casts p to the model dtype
@@ -175,12 +175,7 @@ def test_exports_with_dynamic_T():
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-TINY = ModelConfig(
-    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, full_attention_interval=2, max_position_embeddings=4096,
-)  # fmt: skip
+TINY = tiny_config()
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ NaN-filled by the `poison` fixture, so a value a kernel forgets to write shows u
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, tiny_config
 
 from kernels.gdn import naive
 from kernels.gdn import triton as gdn_triton
@@ -187,15 +187,9 @@ def test_exports_with_state_mutation():
 @torch.no_grad()
 def test_tiny_model_greedy_matches_torch():
     """The tiny model with kernels.gdn=triton generates the same greedy tokens as with torch (fp32)."""
-    from qmoe.model import ModelConfig, build_model
+    from qmoe.model import build_model
 
-    cfg = ModelConfig(
-        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2,
-        max_position_embeddings=4096,
-    )  # fmt: skip
+    cfg = tiny_config()
     model = build_model(cfg, torch.float32, "cpu", seed=1)
     T = 66  # the prefill crosses the 64-token chunk
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))

@@ -5,8 +5,8 @@ import torch
 
 from kernels.moe import naive
 from kernels.moe import triton as moe
-from qmoe.model import ModelConfig, build_model
-from tests.helpers import poisoned, rel_err
+from qmoe.model import build_model
+from tests.helpers import poisoned, rel_err, tiny_config
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # Small tiles keep the CPU interpreter fast; BLOCK_K / BLOCK_N below H and I so the K loop and N tiles both run.
@@ -136,12 +136,7 @@ def test_moe_block_export():
     assert rel_err(program.module()(*args), naive.moe_block(*args, top_k=2)) < 1e-5
 
 
-TINY = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=4096,
-)  # fmt: skip
+TINY = tiny_config()
 
 
 @torch.no_grad()
@@ -157,7 +152,7 @@ def greedy(model, tokens, steps):
 def test_model_greedy_matches_torch():
     """Tiny model in fp32: a 70-token prefill (sorted path) and 6 decode steps (decode path) give the same greedy
     tokens with kernels.moe=triton as with kernels.moe=torch."""
-    model = build_model(ModelConfig(**TINY), torch.float32, "cpu", seed=0)
+    model = build_model(TINY, torch.float32, "cpu", seed=0)
     tokens = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(0))
     ref_tokens, ref_logits = greedy(model, tokens, 6)
     model.set_kernels({"moe": "triton"})

@@ -213,7 +213,6 @@ def test_split_stats_pass_gives_the_same_tokens(split, B, V, block):
     finite = logits.isfinite()
     sampled = (temperature > 0) & finite.any(-1) & (finite | (logits == float("-inf"))).all(-1)
     assert keep[sampled, out.long()[sampled]].all()
-    assert (fused.arrival_counters(B, "cpu")[:B] == 0).all()  # reset for the next launch
     greedy = temperature == 0
     assert torch.equal(out.long()[greedy], naive.sample(*args)[greedy])
 
