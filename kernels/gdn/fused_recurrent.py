@@ -1,9 +1,16 @@
 """The whole DeltaNet decode step (T == 1) in one kernel: conv state update + SiLU, q/k L2 norm, gates,
 fp32 delta-rule state update (state read once, written once), output and gated RMSNorm * silu(z).
 
-One program per (batch row, key head) owns the conv channels of its q/k head and of the value heads that
-read it, so the in-place conv state update has no readers in other programs; it walks those value heads,
-each a full [dk, dv] state tile, which also puts a whole value-head row in one program for the norm."""
+One program per (batch row, value head): one full [dk, dv] fp32 state tile each (B * nv programs, 32 at
+batch 1 for the 35B-A3B), which also keeps a whole value-head row in one program for the norm.
+
+The conv state is updated in place with no grid-wide barrier. A value head's v channels have one reader
+and writer: its own program. The q/k channels of key head hk are read by its G = nv / nk value-head
+programs, so they are written only by the LAST of them to have read: each program reads all its old
+conv slots, syncs its threads (every read done), then counts itself in with an acq_rel atomic on the
+(row, key head) counter; the program that gets G - 1 has acquired every other reader's release, so all
+reads of those channels happen before its write. It resets the counter to 0 for the next call (calls
+are stream ordered, as in a CUDA graph). No program waits on another, so any launch order is safe."""
 
 import torch
 import triton
@@ -13,9 +20,9 @@ from kernels.gdn.gates import gates
 
 
 @triton.jit
-def _conv_step(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU(conv) of one new token for channels ch [N]; shifts the token into the conv state [C, KW-1]
-    (KP = next power of two >= KW-1: the state slots as one tile)."""
+def _conv_read(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """SiLU(conv) of the new token for channels ch [N] and their new conv state [N, KP] (old slots shifted
+    left, the token last; KP = next power of two >= KW-1: the state slots as one tile). Only reads."""
     j = tl.arange(0, KP)
     slots = conv_ptr + ch[:, None] * (KW - 1) + j[None, :]  # [N, KP]
     old = tl.load(slots, mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
@@ -24,12 +31,15 @@ def _conv_step(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.conste
     w_old = tl.load(w_ptr + ch[:, None] * KW + j[None, :], mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
     acc = tl.sum(old.to(tl.float32) * w_old.to(tl.float32), axis=1)
     acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0).to(tl.float32)
-    # replicated lanes may still be reading the old state: every read happens before the first write
-    tl.debug_barrier()
-    new = tl.where((j == KW - 2)[None, :], x[:, None], shifted)
-    tl.store(slots, new, mask=mask[:, None] & (j < KW - 1)[None, :])
     y = acc * tl.sigmoid(acc)
-    return y.to(OUT_DTYPE).to(tl.float32)  # the reference rounds the conv output to the activation dtype
+    new = tl.where((j == KW - 2)[None, :], x[:, None], shifted)
+    return y.to(OUT_DTYPE).to(tl.float32), new  # the reference rounds the conv output to the activation dtype
+
+
+@triton.jit
+def _conv_write(conv_ptr, ch, mask, new, KW: tl.constexpr, KP: tl.constexpr):
+    j = tl.arange(0, KP)
+    tl.store(conv_ptr + ch[:, None] * (KW - 1) + j[None, :], new, mask=mask[:, None] & (j < KW - 1)[None, :])
 
 
 @triton.jit
@@ -49,6 +59,7 @@ def _decode_kernel(
     norm_w_ptr,  # [DV]
     conv_ptr,  # [B, C, KW-1], updated in place
     state_ptr,  # [B, NV, DK, DV] fp32, updated in place
+    readers_ptr,  # [>= B*NK] int32 zeros: programs that have read a key head's q/k conv state; left at 0
     out_ptr,  # [B, NV*DV]
     C,
     eps,
@@ -62,34 +73,62 @@ def _decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    b, hk = tl.program_id(0), tl.program_id(1)
+    b, h = tl.program_id(0), tl.program_id(1)
+    hk = h // G
     NV = NK * G
     dtype = out_ptr.dtype.element_ty
     x_row, conv_row = x_ptr + b * C, conv_ptr + b * C * (KW - 1)
     ik, iv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = ik < DK, iv < DV
+    q_ch, k_ch, v_ch = hk * DK + ik, (NK + hk) * DK + ik, 2 * NK * DK + h * DV + iv
 
-    q = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, hk * DK + ik, mk, KW, KP, dtype)) * scale  # [BK]
-    k = _l2norm(_conv_step(x_row, conv_row, conv_w_ptr, (NK + hk) * DK + ik, mk, KW, KP, dtype))  # [BK]
-    norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
-    for r in tl.static_range(G):
-        h = hk * G + r
-        s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
-        s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV], issued first: the long wait
-        v = _conv_step(x_row, conv_row, conv_w_ptr, 2 * NK * DK + h * DV + iv, mv, KW, KP, dtype)  # [BV]
-        g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
-        s *= tl.exp(g)
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
-        s += k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)  # [BV]
-        tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
+    s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
+    q, q_conv = _conv_read(x_row, conv_row, conv_w_ptr, q_ch, mk, KW, KP, dtype)  # [BK], [BK, KP]
+    k, k_conv = _conv_read(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP, dtype)
+    v, v_conv = _conv_read(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP, dtype)  # [BV], [BV, KP]
+    # [BK, BV]: issued with the conv loads, before the barrier. Loaded first, it made Triton 3.9 move the whole
+    # tile to the conv tiles' layout through 32 KiB of shared memory (seen in the sm_90 TTGIR)
+    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
+    tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
+    readers = readers_ptr + b * NK + hk
+    earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
+    _conv_write(conv_row, v_ch, mv, v_conv, KW, KP)  # v channels: this program is their only reader
 
-        # gated RMSNorm over the value-head row, with the reference's roundings to the activation dtype
-        o = o.to(dtype).to(tl.float32)
-        y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype)
-        z = tl.load(z_ptr + b * NV * DV + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
-        out = (norm_w * y).to(tl.float32) * z * tl.sigmoid(z)
-        tl.store(out_ptr + b * NV * DV + h * DV + iv, out.to(dtype), mask=mv)
+    q = _l2norm(q) * scale
+    k = _l2norm(k)
+    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
+    s *= tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
+    s += k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)  # [BV]
+    tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
+
+    # gated RMSNorm over the value-head row, with the reference's roundings to the activation dtype
+    o = o.to(dtype).to(tl.float32)
+    y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype)
+    z = tl.load(z_ptr + b * NV * DV + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
+    out = (tl.load(norm_w_ptr + iv, mask=mv, other=0.0) * y).to(tl.float32) * z * tl.sigmoid(z)
+    tl.store(out_ptr + b * NV * DV + h * DV + iv, out.to(dtype), mask=mv)
+
+    # the last reader of the key head's q/k channels writes their new state and resets the counter
+    tl.debug_barrier()  # every thread's writes after the acquire (made by one thread)
+    if earlier == G - 1:
+        _conv_write(conv_row, q_ch, mk, q_conv, KW, KP)
+        _conv_write(conv_row, k_ch, mk, k_conv, KW, KP)
+        tl.store(readers, 0)
+
+
+_readers = {}  # device -> int32 zeros, one per (row, key head); each key head's last program resets its own
+
+
+def reader_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters kept between calls (launches on one stream at a time per device). Allocated outside
+    any CUDA graph capture: a warm-up call at the batch size must come first, as for Triton's compile."""
+    buf = _readers.get(device)
+    if buf is None or buf.numel() < n:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
+        buf = _readers[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
 
 
 def gated_delta_net_decode(
@@ -103,10 +142,11 @@ def gated_delta_net_decode(
     for t in (mixed_qkv, z, a, b, conv_weight, conv_state, recurrent_state):
         assert t.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    readers = reader_counters(B * nk, mixed_qkv.device)
     BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     kw = conv_weight.shape[-1]
-    _decode_kernel[(B, nk)](
-        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, out,
+    _decode_kernel[(B, nv)](
+        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, readers, out,
         C, eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV,
         num_warps=8 if BK * BV >= 128 * 64 else 4,

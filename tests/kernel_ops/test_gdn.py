@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import rel_err, tiny_config
 
-from kernels.gdn import naive
+from kernels.gdn import fused_recurrent, naive
 from kernels.gdn import triton as gdn_triton
 from kernels.gdn.conv import causal_conv1d
 
@@ -95,6 +95,7 @@ def test_causal_conv1d(poison, B, T, C, kw):
         TINY,
         dict(nk=2, nv=2, dk=32, dv=16),  # one value head per key head, dk != dv
         dict(nk=2, nv=6, dk=8, dv=12),  # 3 value heads per key head, dims not powers of two
+        dict(nk=1, nv=4, dk=16, dv=16),  # 4 programs read one key head's q/k conv channels, one writes them
     ],
 )
 def test_decode(poison, B, dims):
@@ -103,6 +104,8 @@ def test_decode(poison, B, dims):
     out = run(gdn_triton, x, dims["nk"])
     ref = run(naive, x_ref, dims["nk"])
     check(out, ref, x, x_ref, 1e-5, 1e-6)
+    # the last reader of each key head's q/k conv channels resets its counter for the next call
+    assert not fused_recurrent._readers[torch.device("cpu")].any()
 
 
 @pytest.mark.parametrize(
