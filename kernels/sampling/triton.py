@@ -105,21 +105,97 @@ def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.co
     return lo
 
 
+@triton.jit(do_not_specialize=["B", "temp_stride", "split", "chunk_len"])
+def _stats_kernel(
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """1. stats of one chunk of R rows -> part_f [B, split, 3] (max, sum of p relative to it, smallest finite
+    logit) and part_i [B, split, 3] (first argmax, finite count, NaN flag); zeroes the rows' arrival counters."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    row_ok = rows < B
+    chunk = tl.program_id(1)
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
+    sampled = row_ok & (temperature > 0)
+    c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
+    any_sampled = tl.max(sampled.to(tl.int32)) > 0
+    # per-slot accumulators, reduced once after the loop: the loop's only cross-thread reduction is the max
+    best = tl.full((R, BLOCK), float("-inf"), tl.float32)
+    best_idx = tl.zeros((R, BLOCK), tl.int32) + V
+    nan_slots = tl.zeros((R, BLOCK), tl.int32)
+    total_slots = tl.zeros((R, BLOCK), tl.float32)  # sum of exp2((x - ref) * c)
+    finite_slots = tl.zeros((R, BLOCK), tl.int32)
+    min_slots = tl.full((R, BLOCK), float("inf"), tl.float32)
+    m_run = tl.full((R,), float("-inf"), tl.float32)
+    ref = tl.zeros((R,), tl.float32)
+    start = chunk * chunk_len
+    for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+        x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
+        nan = x != x
+        nan_slots |= nan.to(tl.int32)
+        x = tl.where(nan, float("-inf"), x) + 0.0
+        up = x > best  # strict: a slot keeps its earliest index on ties
+        best_idx = tl.where(up, cols[None, :], best_idx)
+        best = tl.where(up, x, best)
+        if any_sampled:
+            m_run = tl.maximum(m_run, tl.max(x, 1))
+            ref_new = tl.where((m_run == float("-inf")) | (m_run == float("inf")), 0.0, m_run)
+            rescale = tl.exp2((ref - ref_new) * c)[:, None]
+            total_slots = total_slots * rescale + tl.exp2((x - ref_new[:, None]) * c[:, None])
+            ref = ref_new
+            finite = x > float("-inf")
+            finite_slots += finite.to(tl.int32)
+            min_slots = tl.minimum(min_slots, tl.where(finite, x, float("inf")))
+    m = tl.max(best, 1)
+    part = (rows * split + chunk) * 3
+    tl.store(part_f_ptr + part, m, mask=row_ok)
+    tl.store(part_f_ptr + part + 1, tl.sum(total_slots, 1), mask=row_ok)  # relative to ref = this chunk's max
+    tl.store(part_f_ptr + part + 2, tl.min(min_slots, 1), mask=row_ok)
+    tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
+    tl.store(part_i_ptr + part + 1, tl.sum(finite_slots, 1), mask=row_ok)
+    tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
+    first_chunk = row_ok & (rows * 0 + chunk == 0)
+    tl.store(counter_ptr + rows, tl.zeros((R,), tl.int32), mask=first_chunk)  # for the search kernel's arrivals
+
+
+@triton.jit
+def _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT: tl.constexpr):
+    """The row stats from its chunks' (written by the previous launch)."""
+    sp = tl.arange(0, SPLIT)
+    parts = (rows[:, None] * split + sp[None, :]) * 3  # [R, SPLIT]
+    pm = row_ok[:, None] & (sp < split)[None, :]
+    ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"))
+    m = tl.max(ms, 1)
+    args = tl.load(part_i_ptr + parts, mask=pm, other=V)
+    arg = tl.min(tl.where(ms == m[:, None], args, V), 1).to(tl.int64)  # the first chunk holding the max
+    ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+    totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0)
+    scale = tl.where(ms == float("-inf"), 0.0, tl.exp2((ms - ref[:, None]) * c[:, None]))
+    total = tl.sum(totals * scale, 1)  # chunk sums are relative to their own max
+    x_min = tl.min(tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf")), 1)
+    n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0), 1).to(tl.int64)
+    has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0), 1)
+    return m, arg, total, x_min, n_finite, has_nan
+
+
 # runtime values that would otherwise compile a variant each time they hit 1 (B = 1, strides of broadcast scalars)
 @triton.jit(
     do_not_specialize=["B", "temp_stride", "top_k_stride", "top_p_stride", "min_p_stride", "seed_stride",
                        "step_stride", "split", "chunk_len"]
 )  # fmt: skip
-def _sample_kernel(
+def _search_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    buf_val_ptr, buf_idx_ptr, part_f_ptr, part_i_ptr, counter_ptr, out_ptr, split, chunk_len,
+    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    split, chunk_len,
     R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT_MAX: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
+    chunk = tl.program_id(1)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
     top_k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0).to(tl.int64)
@@ -130,107 +206,100 @@ def _sample_kernel(
     sampled = row_ok & (temperature > 0)
     # log2(e) / T, so p = exp2((x - max) * c); T clamped so that c stays finite
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
-
-    # ---- 1. stats pass
-    m = tl.full((R,), float("-inf"), tl.float32)
-    arg = tl.zeros((R,), tl.int64)
-    has_nan = tl.zeros((R,), tl.int32)
-    total = tl.zeros((R,), tl.float32)  # sum of exp2((x - m) * c)
-    n_finite = tl.zeros((R,), tl.int64)
-    x_min = tl.full((R,), float("inf"), tl.float32)
-    any_sampled = tl.max(sampled.to(tl.int32)) > 0
-    chunk = tl.program_id(1)
-    for off in range(chunk * chunk_len, tl.minimum(chunk * chunk_len + chunk_len, V), BLOCK):
-        x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
-        nan = x != x
-        has_nan |= tl.max(nan.to(tl.int32), 1)
-        x = tl.where(nan, float("-inf"), x) + 0.0
-        blk_max = tl.max(x, 1)
-        blk_arg = tl.argmax(x, 1, tie_break_left=True).to(tl.int64) + off
-        arg = tl.where(blk_max > m, blk_arg, arg)  # strict: the earlier block keeps ties
-        m_new = tl.maximum(m, blk_max)
-        if any_sampled:
-            ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
-            total = total * tl.exp2((m - ref) * c) + tl.sum(tl.exp2((x - ref[:, None]) * c[:, None]), 1)
-            finite = x > float("-inf")
-            n_finite += tl.sum(finite.to(tl.int64), 1)
-            x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), 1))
-        m = m_new
-    if split > 1:  # publish this chunk's stats; the row's last program to arrive combines them
-        part = (rows * split + chunk) * 3
-        tl.store(part_f_ptr + part, m, mask=row_ok)
-        tl.store(part_f_ptr + part + 1, total, mask=row_ok)
-        tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
-        tl.store(part_i_ptr + part, arg, mask=row_ok)
-        tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
-        tl.store(part_i_ptr + part + 2, has_nan.to(tl.int64), mask=row_ok)
-        tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-        row_ok &= arrived == split - 1
-        sampled &= row_ok
-        tl.store(counter_ptr + rows, 0, mask=row_ok)  # ready for the next launch (and CUDA graph replay)
-        sp = tl.arange(0, SPLIT_MAX)
-        parts = (rows[:, None] * split + sp[None, :]) * 3  # [R, SPLIT_MAX]
-        pm = row_ok[:, None] & (sp < split)[None, :]
-        ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"), volatile=True)
-        m = tl.max(ms, 1)
-        args = tl.load(part_i_ptr + parts, mask=pm, other=0, volatile=True)
-        arg = tl.min(tl.where(ms == m[:, None], args, V), 1)  # the first chunk holding the max
-        ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
-        totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0, volatile=True)
-        scale = tl.where(ms == float("-inf"), 0.0, tl.exp2((ms - ref[:, None]) * c[:, None]))
-        total = tl.sum(totals * scale, 1)  # chunk sums are relative to their own max
-        x_min = tl.min(tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf"), volatile=True), 1)
-        n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0, volatile=True), 1)
-        has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0, volatile=True), 1).to(tl.int32)
+    m, arg, total, x_min, n_finite, has_nan = _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT)
     invalid = (has_nan > 0) | (m == float("-inf"))
     token = tl.where(invalid, INVALID, arg)  # greedy; an +inf logit wins (first one)
     active = sampled & ~invalid & (m < float("inf"))
+    k_on = active & (top_k > 0) & (top_k < n_finite)
+    p_on = active & (top_p < 1.0)
+    mp_on = active & (min_p > 0.0)
+    filtered = k_on | p_on | mp_on
+    unfiltered = active & ~filtered  # plain softmax: the race over the row, no cut
+    log2_min_p = tl.log2(tl.where(mp_on, min_p, 1.0))
+
+    # ---- 2. search pass over this program's chunk
+    # thresholds s_0 = max, s_j = max - (max - min) * 2^((j + 1 - NT) / 2)
+    j = tl.arange(0, NT)
+    frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
+    thr = tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])  # [R, NT] decreasing
+    # speculative gather threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p: tokens
+    # with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept if
+    # at least k tokens are at or above it
+    tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
+    spec = m + tl.log2(tail * total) / c
+    spec_min_p = m + (log2_min_p - 1.0) / c
+    spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
+    spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
+    use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
+    any_unfiltered = tl.max(unfiltered.to(tl.int32)) > 0
+    # each chunk gathers into its own CAP slots of the row's buffer, in token order
+    region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
+    # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
+    cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
+    mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
+    mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
+    race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
+    race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
+    n_spec = tl.zeros((R,), tl.int32)
+    start = chunk * chunk_len
+    stop = tl.where(tl.max(active.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # greedy: no pass
+    for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
+        x, cols, msk = _load_block(base, off, V, active, BLOCK_T)  # active rows have no NaN
+        p = tl.exp2((x - m[:, None]) * c[:, None])
+        ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
+        cnt_slots += ge.to(tl.int32)
+        if use_mass:
+            mass_slots += tl.where(ge, p[:, :, None], 0.0)
+        take = (x >= spec[:, None]) & msk
+        pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
+        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+        n_spec += tl.sum(take.to(tl.int32), 1)
+        mass_spec_slots += tl.where(take, p, 0.0)
+        if any_unfiltered:
+            keep = unfiltered[:, None] & msk & (x > float("-inf"))
+            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+            race = tl.where(keep, race, float("-inf"))
+            up = race > race_slots  # strict: a slot keeps its earliest index on ties
+            race_idx = tl.where(up, cols[None, :], race_idx)
+            race_slots = tl.where(up, race, race_slots)
+    # publish this chunk's partials; the row's last program to arrive combines them
+    sbase = (rows * split + chunk) * (NT + 2)
+    tl.store(search_i_ptr + sbase[:, None] + j[None, :], tl.sum(cnt_slots, 1), mask=row_ok[:, None])
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], tl.sum(mass_slots, 1), mask=row_ok[:, None])
+    tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
+    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
+    race_best = tl.max(race_slots, 1)
+    tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
+    race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
+    tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
+    tl.debug_barrier()  # every thread's stores before the release below
+    arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    row_ok &= arrived == split - 1
+    active &= row_ok
+    filtered &= row_ok
+    k_on &= row_ok
+    p_on &= row_ok
+    mp_on &= row_ok
 
     if tl.max(active.to(tl.int32)) > 0:
-        k_on = active & (top_k > 0) & (top_k < n_finite)
-        p_on = active & (top_p < 1.0)
-        mp_on = active & (min_p > 0.0)
-        filtered = k_on | p_on | mp_on
-        buf_val = buf_val_ptr + rows[:, None].to(tl.int64) * CAP
-        buf_idx = buf_idx_ptr + rows[:, None].to(tl.int64) * CAP
-        log2_min_p = tl.log2(tl.where(mp_on, min_p, 1.0))
+        # chunk partials summed in chunk order: the same result on every call
+        sp = tl.arange(0, SPLIT)
+        parts = (rows[:, None] * split + sp[None, :]) * (NT + 2)  # [R, SPLIT]
+        pm = active[:, None] & (sp < split)[None, :]
+        pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
+        parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
+        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0, volatile=True), 1)
+        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0, volatile=True), 1)
+        n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0, volatile=True)  # [R, SPLIT]
+        n_spec = tl.sum(n_chunk, 1)
+        mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0, volatile=True), 1)
+        race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"), volatile=True)
+        race_best = tl.max(race_bests, 1)
+        race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V, volatile=True)
+        race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
+        token = tl.where(unfiltered & row_ok, race_tok, token)
 
-        # ---- 2. search pass: thresholds s_0 = max, s_j = max - (max - min) * 2^((j + 1 - NT) / 2)
-        j = tl.arange(0, NT)
-        frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
-        thr = tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])  # [R, NT] decreasing
-        # speculative gather threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p: tokens
-        # with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept if
-        # at least k tokens are at or above it
-        tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
-        spec = m + tl.log2(tail * total) / c
-        spec_min_p = m + (log2_min_p - 1.0) / c
-        spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
-        spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
-        use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
-        # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
-        cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
-        mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
-        mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
-        n_spec = tl.zeros((R,), tl.int64)
-        for off in range(0, V, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-            x, cols, msk = _load_block(base, off, V, filtered, BLOCK_T)
-            x = tl.where(x != x, float("-inf"), x)
-            p = tl.exp2((x - m[:, None]) * c[:, None])
-            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
-            cnt_slots += ge.to(tl.int32)
-            if use_mass:
-                mass_slots += tl.where(ge, p[:, :, None], 0.0)
-            take = (x >= spec[:, None]) & msk
-            pos = n_spec[:, None] + tl.cumsum(take.to(tl.int64), 1) - 1
-            tl.store(buf_val + pos, x, mask=take & (pos < CAP))
-            tl.store(buf_idx + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-            n_spec += tl.sum(take.to(tl.int64), 1)
-            mass_spec_slots += tl.where(take, p, 0.0)
-        cnt = tl.sum(cnt_slots.to(tl.int64), 1)  # [R, NT]
-        mass = tl.sum(mass_slots, 1)
-        mass_spec = tl.sum(mass_spec_slots, 1)
         spec_ok = tl.where(
             k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
         )
@@ -247,25 +316,36 @@ def _sample_kernel(
         regather = filtered & ~gathered & (j_best < NT)
         s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
 
-        # ---- 3. gather pass at the best usable threshold
+        # ---- 3. gather pass at the best usable threshold (one program per row), into the row's first chunk slots
+        row_region = (rows * split).to(tl.int64)[:, None] * CAP
         n_buf = tl.where(gathered, n_spec, 0)
         if tl.max(regather.to(tl.int32)) > 0:
             for off in range(0, V, BLOCK):
                 x, cols, msk = _load_block(base, off, V, regather, BLOCK)
                 take = (x >= s[:, None]) & msk  # NaN rows never get here
-                pos = n_buf[:, None] + tl.cumsum(take.to(tl.int64), 1) - 1
-                tl.store(buf_val + pos, x, mask=take & (pos < CAP))
-                tl.store(buf_idx + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-                n_buf += tl.sum(take.to(tl.int64), 1)
+                pos = n_buf[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+                tl.store(buf_val_ptr + row_region + pos, x, mask=take & (pos < CAP))
+                tl.store(buf_idx_ptr + row_region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+                n_buf += tl.sum(take.to(tl.int32), 1)
         in_buf = gathered | regather
-        tl.debug_barrier()  # the buffer was written by other threads of this program
+        # where slot i of the row's gathered list lives: chunk = number of chunk lists ending at or before i
+        ends = tl.where(regather[:, None], n_buf[:, None], tl.cumsum(n_chunk, 1))  # [R, SPLIT]
+        tl.store(ends_ptr + rows[:, None] * SPLIT + sp[None, :], ends, mask=in_buf[:, None])
+        tl.debug_barrier()  # the buffer and the ends were written by other threads of this program
 
         # exact cut on the <= CAP gathered logits, then the race among them
         if tl.max(in_buf.to(tl.int32)) > 0:
             slot = tl.arange(0, CAP)
             bmask = in_buf[:, None] & (slot[None, :] < n_buf[:, None])
-            vals = tl.load(buf_val + slot[None, :], mask=bmask, other=float("-inf"))
-            idx = tl.load(buf_idx + slot[None, :], mask=bmask, other=0).to(tl.int64)
+            src_chunk = tl.zeros((R, CAP), tl.int32)
+            for level in tl.static_range(LOG_SPLIT):  # binary search over the SPLIT ends
+                half = SPLIT >> (level + 1)
+                end = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk + half - 1, mask=bmask, other=CAP + 1)
+                src_chunk += tl.where(end <= slot[None, :], half, 0)
+            prev = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk - 1, mask=bmask & (src_chunk > 0), other=0)
+            src = (rows[:, None] * split + src_chunk).to(tl.int64) * CAP + slot[None, :] - prev
+            vals = tl.load(buf_val_ptr + src, mask=bmask, other=float("-inf"), volatile=True)
+            idx = tl.load(buf_idx_ptr + src, mask=bmask, other=0, volatile=True).to(tl.int64)
             keys = _ordered_key(vals + 0.0).to(tl.int64)
             p = tl.where(bmask, tl.exp2((vals - m[:, None]) * c[:, None]), 0.0)
             lo = tl.min(tl.where(bmask, keys, _ordered_key(m).to(tl.int64)[:, None]), 1)
@@ -280,8 +360,8 @@ def _sample_kernel(
             drawn = tl.max(tl.where(slot[None, :] == win[:, None], idx, -1), 1)
             token = tl.where(in_buf, drawn, token)
 
-        # ---- 4. rows whose kept set may exceed CAP (or without filters): exact cut, then a race over the row
-        full = active & ~in_buf
+        # ---- 4. rows whose kept set may exceed CAP: exact cut, then a race over the row (one program per row)
+        full = filtered & ~in_buf
         if tl.max(full.to(tl.int32)) > 0:
             lo = _ordered_key(x_min).to(tl.int64)
             top = _ordered_key(m).to(tl.int64) + 1
@@ -306,51 +386,49 @@ def _sample_kernel(
     tl.store(out_ptr + rows, token, mask=row_ok)
 
 
-_counters = {}  # device -> int32 zeros, one per row; the last program of a row resets its counter
-
-
-def arrival_counters(n: int, device) -> torch.Tensor:
-    """Zeroed per-row counters for the split stats pass, kept between calls (one launch at a time per device)."""
-    device = torch.device(device)
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _counters[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return buf
-
-
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None):
-    """Run the kernel on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
+    """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
-    block / cap / nt / rows (rows per program) / split (programs per row in the stats pass, <= 64) are
-    tuning knobs; tests shrink cap to exercise the fallback and set split on the CPU."""
+    block / cap / nt / rows (rows per program) / split (programs per row, <= 64) are tuning knobs; tests shrink
+    cap to exercise the fallback and set split on the CPU."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     if block is None:
-        block = min(4096, triton.next_power_of_2(V))
+        block = min(2048, triton.next_power_of_2(V))
     block_t = min(block, 1024)
     if cap is None:  # the gather buffer never needs more than V slots
         cap = min(1024, triton.next_power_of_2(V))
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // (max(block, cap) * nt)))
-    if split is None:  # spread the stats pass (all of greedy) over ~1024 programs: bytes in flight
-        split = min(SPLIT_MAX, max(1, 1024 // (B * rows))) if logits.is_cuda else 1
+    if split is None:  # spread both passes over ~2048 programs (bytes in flight), chunks of at least a block
+        split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
     assert 1 <= split <= SPLIT_MAX
     chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
     device = logits.device
-    buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
-    buf_idx = torch.empty(B, cap, dtype=torch.int32, device=device)
     part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
-    part_i = torch.empty(B, split, 3, dtype=torch.int64, device=device)
-    counters = arrival_counters(B, device) if split > 1 else part_i
+    part_i = torch.empty(B, split, 3, dtype=torch.int32, device=device)
+    search_f = torch.empty(B, split, nt + 2, dtype=torch.float32, device=device)
+    search_i = torch.empty(B, split, nt + 2, dtype=torch.int32, device=device)
+    ends = torch.empty(B, triton.next_power_of_2(split), dtype=torch.int32, device=device)
+    buf_val = torch.empty(B, split, cap, dtype=torch.float32, device=device)
+    buf_idx = torch.empty(B, split, cap, dtype=torch.int32, device=device)
+    counters = torch.empty(B, dtype=torch.int32, device=device)  # zeroed by the stats kernel
+    grid = (triton.cdiv(B, rows), split)
+    num_warps = 8 if logits.is_cuda else 1
+    _stats_kernel[grid](
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters, split, chunk_len,
+        R=rows, BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    _sample_kernel[(triton.cdiv(B, rows), split)](
+    _search_kernel[grid](
         logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
-        buf_val, buf_idx, part_f, part_i, counters, out, split, chunk_len,
-        R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT_MAX=SPLIT_MAX,
-        num_warps=8 if logits.is_cuda else 1,
+        part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters, out, split, chunk_len,
+        R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=triton.next_power_of_2(split),
+        LOG_SPLIT=triton.next_power_of_2(split).bit_length() - 1,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
