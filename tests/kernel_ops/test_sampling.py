@@ -193,21 +193,22 @@ def test_sampled_token_in_kept_set(cap):
 
 
 @pytest.mark.parametrize(
-    "split, B, V, block",
+    "split, B, V, block, cap",
     [
-        (3, 96, 300, 32),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
-        (8, 96, 300, 32),  # chunks wholly past V
-        (4, 12, 2100, None),  # default blocks: 4096 for streaming, 1024 for the threshold tiles (3 of them)
+        (3, 96, 300, 32, None),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
+        (8, 96, 300, 32, None),  # chunks wholly past V; gathered lists spread over up to 8 chunks
+        (5, 96, 300, 32, 16),  # small buffer: regathers and full-row fallbacks after a split search (5: SPLIT 8)
+        (4, 12, 2100, None, None),  # default blocks: 2048 for the stats, 1024 for the threshold tiles
     ],
 )
-def test_split_stats_pass_gives_the_same_tokens(split, B, V, block):
+def test_split_passes_give_the_same_tokens(split, B, V, block, cap):
     logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=1)
     logits[3, 7], logits[4], logits[5, 250] = float("nan"), float("-inf"), float("inf")
     temperature[::4] = 0.0  # greedy rows
     args = (logits, temperature, top_k, top_p, min_p, torch.full((B,), 5), torch.arange(B))
     out = poisoned(B, dtype=torch.float64)
-    out[:] = fused.launch(*args, block=block, split=split)
-    assert torch.equal(out.long(), fused.launch(*args, block=block, split=1))
+    out[:] = fused.launch(*args, block=block, cap=cap, split=split)
+    assert torch.equal(out.long(), fused.launch(*args, block=block, cap=cap, split=1))
     probs = torch.softmax(logits.double() / temperature.clamp(min=1e-3)[:, None].double(), -1)
     keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
     finite = logits.isfinite()
