@@ -1,20 +1,22 @@
-"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in one launch, no sort of the vocabulary.
+"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in two launches, no sort of the vocabulary.
 
-Same semantics as `naive.py` (read its docstring); per row, programs stream the logits in blocks:
+Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
+(row, chunk) in both launches, so every pass over a typical row is spread over many programs:
 
-1. stats pass: NaN flag, max and its lowest index (the greedy answer: temperature <= 0 stops here), and for
-   sampled rows the online sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit
-   and the number of finite logits. At small batch the row is split over `split` programs; each writes its
-   chunk's stats and the last to finish (an atomic counter, no waiting) combines them and goes on alone.
-2. search pass: counts (and masses, for top-p without top-k) of x >= s_j at NT logit thresholds spread
-   geometrically between the max and the smallest logit, and a speculative gather of every x >= s, kept if
-   s proves to be at or below the cut (min-p: p(s) < min_p; top-p: the tokens with normalised
-   p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at least k tokens gathered) and at
-   most CAP tokens were gathered.
-3. gather pass, only if 2. did not gather a usable set: all x >= s_j for the highest threshold that is
-   provably at or below the cut and holds at most CAP tokens. The exact top-k / top-p / min-p cut is found
-   on the <= CAP gathered logits in registers (bisection of their keys), and the token is drawn by an
-   exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i).
+1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
+   the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit and the number of
+   finite logits -> a small workspace. It also zeroes the rows' arrival counters for launch 2.
+2. `_search_kernel`: every program combines the chunk stats, then over its chunk: counts (and masses, for
+   top-p without top-k) of x >= s_j at NT logit thresholds spread geometrically between the max and the
+   smallest logit, and a speculative gather of every x >= s into the chunk's own CAP slots; rows without a
+   filter run the exponential race over the chunk instead. The row's last program to arrive (atomic counter,
+   no waiting) sums the partials in chunk order and keeps the gather if s proves to be at or below the cut
+   (min-p: p(s) < min_p; top-p: the tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of
+   the mass; top-k: at least k tokens gathered) and at most CAP tokens came.
+3. otherwise that program gathers alone all x >= s_j for the highest threshold that is provably at or below
+   the cut and holds at most CAP tokens. The exact top-k / top-p / min-p cut is found on the <= CAP gathered
+   logits in registers (bisection of their keys), and the token is drawn by an exponential race: argmax over
+   kept i of log2(p_i) - log2(-ln U_i).
 4. fallback, when the kept set has more than CAP tokens (flat rows, huge k): exact bisection of the cut on
    the order-preserving int32 keys of the logits, NT thresholds per pass over the row, then a race pass.
 
@@ -33,7 +35,7 @@ from kernels.sampling.naive import INVALID_TOKEN
 # Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
 LOG2E = tl.constexpr(1.4426950408889634)
 INVALID = tl.constexpr(INVALID_TOKEN)
-SPLIT_MAX = 64  # programs per row in the stats pass, at most
+SPLIT_MAX = 64  # programs per row, at most
 
 
 @triton.jit
