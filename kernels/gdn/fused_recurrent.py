@@ -85,10 +85,11 @@ def _decode_kernel(
     s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
     q, q_conv = _conv_read(x_row, conv_row, conv_w_ptr, q_ch, mk, KW, KP, dtype)  # [BK], [BK, KP]
     k, k_conv = _conv_read(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP, dtype)
-    v, v_conv = _conv_read(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP, dtype)  # [BV], [BV, KP]
-    # [BK, BV]: issued with the conv loads, before the barrier. Loaded first, it made Triton 3.9 move the whole
-    # tile to the conv tiles' layout through 32 KiB of shared memory (seen in the sm_90 TTGIR)
+    # [BK, BV], the long wait: issued with the conv loads, all before the barrier. Issued before the q/k conv
+    # loads, Triton 3.9 moved the whole tile to the conv tiles' layout (32 KiB of shared memory); after the v
+    # conv, a layout conversion of v put a barrier, so a wait on the conv loads, before it (sm_90 TTGIR/PTX)
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
+    v, v_conv = _conv_read(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP, dtype)  # [BV], [BV, KP]
     tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
     readers = readers_ptr + b * NK + hk
     earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
