@@ -20,25 +20,31 @@ from kernels.gdn.gates import gates
 
 
 @triton.jit
-def _conv_read(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU(conv) of the new token for channels ch [N] and their new conv state [N, KP] (old slots shifted
-    left, the token last; KP = next power of two >= KW-1: the state slots as one tile). Only reads."""
+def _conv_load(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr):
+    """The conv inputs of channels ch [N]: their state slots [N, KP] (KP = next power of two >= KW-1: the
+    slots as one tile), the same shifted left by one slot, the new token [N], the weights [N, KP] and [N]."""
     j = tl.arange(0, KP)
     slots = conv_ptr + ch[:, None] * (KW - 1) + j[None, :]  # [N, KP]
     old = tl.load(slots, mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
     shifted = tl.load(slots + 1, mask=mask[:, None] & (j < KW - 2)[None, :], other=0.0)  # old slot j + 1
-    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)  # [N]
+    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
     w_old = tl.load(w_ptr + ch[:, None] * KW + j[None, :], mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
-    acc = tl.sum(old.to(tl.float32) * w_old.to(tl.float32), axis=1)
-    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0).to(tl.float32)
-    y = acc * tl.sigmoid(acc)
-    new = tl.where((j == KW - 2)[None, :], x[:, None], shifted)
-    return y.to(OUT_DTYPE).to(tl.float32), new  # the reference rounds the conv output to the activation dtype
+    w_new = tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0)
+    return old, shifted, x, w_old, w_new
 
 
 @triton.jit
-def _conv_write(conv_ptr, ch, mask, new, KW: tl.constexpr, KP: tl.constexpr):
+def _conv_silu(old, x, w_old, w_new, OUT_DTYPE: tl.constexpr):
+    """SiLU(conv) of the new token [N] from _conv_load's tiles."""
+    acc = tl.sum(old.to(tl.float32) * w_old.to(tl.float32), axis=1) + x.to(tl.float32) * w_new.to(tl.float32)
+    return (acc * tl.sigmoid(acc)).to(OUT_DTYPE).to(tl.float32)  # the reference rounds to the activation dtype
+
+
+@triton.jit
+def _conv_write(conv_ptr, ch, mask, shifted, x, KW: tl.constexpr, KP: tl.constexpr):
+    """The new conv state of channels ch: the old slots shifted left, the new token last."""
     j = tl.arange(0, KP)
+    new = tl.where((j == KW - 2)[None, :], x[:, None], shifted)
     tl.store(conv_ptr + ch[:, None] * (KW - 1) + j[None, :], new, mask=mask[:, None] & (j < KW - 1)[None, :])
 
 
@@ -83,21 +89,25 @@ def _decode_kernel(
     q_ch, k_ch, v_ch = hk * DK + ik, (NK + hk) * DK + ik, 2 * NK * DK + h * DV + iv
 
     s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
-    q, q_conv = _conv_read(x_row, conv_row, conv_w_ptr, q_ch, mk, KW, KP, dtype)  # [BK], [BK, KP]
-    k, k_conv = _conv_read(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP, dtype)
-    # [BK, BV], the long wait: issued with the conv loads, all before the barrier. Issued before the q/k conv
-    # loads, Triton 3.9 moved the whole tile to the conv tiles' layout (32 KiB of shared memory); after the v
-    # conv, a layout conversion of v put a barrier, so a wait on the conv loads, before it (sm_90 TTGIR/PTX)
-    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
-    v, v_conv = _conv_read(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP, dtype)  # [BV], [BV, KP]
+    # Every load of the step is issued before any math that waits on one (one DRAM round trip). The state
+    # tile, the long wait, goes between the q/k and v conv loads: first, Triton 3.9 moved it to the conv tiles'
+    # layout (32 KiB of shared memory); after the v conv math, a layout conversion's barrier waited on the
+    # conv loads before it was issued (sm_90 TTGIR/PTX)
+    q_old, q_shifted, q_x, q_w, q_w_new = _conv_load(x_row, conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
+    k_old, k_shifted, k_x, k_w, k_w_new = _conv_load(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP)
+    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
+    v_old, v_shifted, v_x, v_w, v_w_new = _conv_load(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
+    z = tl.load(z_ptr + b * NV * DV + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
+    norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
+    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
     tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
     readers = readers_ptr + b * NK + hk
     earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
-    _conv_write(conv_row, v_ch, mv, v_conv, KW, KP)  # v channels: this program is their only reader
+    _conv_write(conv_row, v_ch, mv, v_shifted, v_x, KW, KP)  # v channels: this program is their only reader
 
-    q = _l2norm(q) * scale
-    k = _l2norm(k)
-    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
+    q = _l2norm(_conv_silu(q_old, q_x, q_w, q_w_new, dtype)) * scale  # [BK]
+    k = _l2norm(_conv_silu(k_old, k_x, k_w, k_w_new, dtype))
+    v = _conv_silu(v_old, v_x, v_w, v_w_new, dtype)  # [BV]
     s *= tl.exp(g)
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
     s += k[:, None] * delta[None, :]
@@ -107,15 +117,14 @@ def _decode_kernel(
     # gated RMSNorm over the value-head row, with the reference's roundings to the activation dtype
     o = o.to(dtype).to(tl.float32)
     y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype)
-    z = tl.load(z_ptr + b * NV * DV + h * DV + iv, mask=mv, other=0.0).to(tl.float32)
-    out = (tl.load(norm_w_ptr + iv, mask=mv, other=0.0) * y).to(tl.float32) * z * tl.sigmoid(z)
+    out = (norm_w * y).to(tl.float32) * z * tl.sigmoid(z)
     tl.store(out_ptr + b * NV * DV + h * DV + iv, out.to(dtype), mask=mv)
 
     # the last reader of the key head's q/k channels writes their new state and resets the counter
     tl.debug_barrier()  # every thread's writes after the acquire (made by one thread)
     if earlier == G - 1:
-        _conv_write(conv_row, q_ch, mk, q_conv, KW, KP)
-        _conv_write(conv_row, k_ch, mk, k_conv, KW, KP)
+        _conv_write(conv_row, q_ch, mk, q_shifted, q_x, KW, KP)
+        _conv_write(conv_row, k_ch, mk, k_shifted, k_x, KW, KP)
         tl.store(readers, 0)
 
 
