@@ -193,7 +193,7 @@ def _search_kernel(
     part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
     split, chunk_len,
     R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -234,73 +234,65 @@ def _search_kernel(
     spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
     use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
     any_unfiltered = tl.max(unfiltered.to(tl.int32)) > 0
+    sbase = (rows * split + chunk) * (NT + 3)  # this chunk's partials
     # each chunk gathers into its own CAP slots of the row's buffer, in token order
     region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
-    # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
-    cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
-    mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
-    mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
-    race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
-    race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
-    n_spec = tl.zeros((R,), tl.int32)
     start = chunk * chunk_len
-    stop = tl.where(tl.max(active.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # greedy: no pass
-    for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-        x, cols, msk = _load_block(base, off, V, active, BLOCK_T)  # active rows have no NaN
-        p = tl.exp2((x - m[:, None]) * c[:, None])
-        ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
-        cnt_slots += ge.to(tl.int32)
-        if use_mass:
-            mass_slots += tl.where(ge, p[:, :, None], 0.0)
-        take = (x >= spec[:, None]) & msk
-        pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
-        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-        n_spec += tl.sum(take.to(tl.int32), 1)
-        mass_spec_slots += tl.where(take, p, 0.0)
-        if any_unfiltered:
-            keep = unfiltered[:, None] & msk & (x > float("-inf"))
-            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
-            race = tl.where(keep, race, float("-inf"))
-            up = race > race_slots  # strict: a slot keeps its earliest index on ties
-            race_idx = tl.where(up, cols[None, :], race_idx)
-            race_slots = tl.where(up, race, race_slots)
-    # publish this chunk's partials; the row's last program to arrive combines them
-    sbase = (rows * split + chunk) * (NT + 2)
-    tl.store(search_i_ptr + sbase[:, None] + j[None, :], tl.sum(cnt_slots, 1), mask=row_ok[:, None])
-    tl.store(search_f_ptr + sbase[:, None] + j[None, :], tl.sum(mass_slots, 1), mask=row_ok[:, None])
-    tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
-    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
-    race_best = tl.max(race_slots, 1)
-    tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
-    race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
-    tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
-    tl.debug_barrier()  # every thread's stores before the release below
-    arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    row_ok &= arrived == split - 1
-    active &= row_ok
-    filtered &= row_ok
-    k_on &= row_ok
-    p_on &= row_ok
-    mp_on &= row_ok
-
-    if tl.max(active.to(tl.int32)) > 0:
-        # chunk partials summed in chunk order: the same result on every call
+    if PHASE == 2:
+        # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
+        cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
+        mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
+        mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
+        race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
+        race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
+        n_spec = tl.zeros((R,), tl.int32)
+        stop = tl.where(tl.max(active.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # greedy: no pass
+        for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
+            x, cols, msk = _load_block(base, off, V, active, BLOCK_T)  # active rows have no NaN
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
+            cnt_slots += ge.to(tl.int32)
+            if use_mass:
+                mass_slots += tl.where(ge, p[:, :, None], 0.0)
+            take = (x >= spec[:, None]) & msk
+            pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+            tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
+            tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+            n_spec += tl.sum(take.to(tl.int32), 1)
+            mass_spec_slots += tl.where(take, p, 0.0)
+            if any_unfiltered:
+                keep = unfiltered[:, None] & msk & (x > float("-inf"))
+                race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+                race = tl.where(keep, race, float("-inf"))
+                up = race > race_slots  # strict: a slot keeps its earliest index on ties
+                race_idx = tl.where(up, cols[None, :], race_idx)
+                race_slots = tl.where(up, race, race_slots)
+        # publish this chunk's partials; the next launch combines them
+        tl.store(search_i_ptr + sbase[:, None] + j[None, :], tl.sum(cnt_slots, 1), mask=row_ok[:, None])
+        tl.store(search_f_ptr + sbase[:, None] + j[None, :], tl.sum(mass_slots, 1), mask=row_ok[:, None])
+        tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
+        tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
+        race_best = tl.max(race_slots, 1)
+        tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
+        race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
+        tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
+    else:
+        # the search partials of all chunks, summed in chunk order: the same decisions in every program
         sp = tl.arange(0, SPLIT)
-        parts = (rows[:, None] * split + sp[None, :]) * (NT + 2)  # [R, SPLIT]
+        parts = (rows[:, None] * split + sp[None, :]) * (NT + 3)  # [R, SPLIT]
         pm = active[:, None] & (sp < split)[None, :]
         pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
         parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
-        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0, volatile=True), 1)
-        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0, volatile=True), 1)
-        n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0, volatile=True)  # [R, SPLIT]
+        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
+        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
+        n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0)  # [R, SPLIT]
         n_spec = tl.sum(n_chunk, 1)
-        mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0, volatile=True), 1)
-        race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"), volatile=True)
+        mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0), 1)
+        race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"))
         race_best = tl.max(race_bests, 1)
-        race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V, volatile=True)
+        race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V)
         race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
-        token = tl.where(unfiltered & row_ok, race_tok, token)
+        token = tl.where(unfiltered, race_tok, token)
 
         spec_ok = tl.where(
             k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
@@ -318,22 +310,33 @@ def _search_kernel(
         regather = filtered & ~gathered & (j_best < NT)
         s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
 
-        # ---- 3. gather pass at the best usable threshold (one program per row), into the row's first chunk slots
-        row_region = (rows * split).to(tl.int64)[:, None] * CAP
-        n_buf = tl.where(gathered, n_spec, 0)
-        if tl.max(regather.to(tl.int32)) > 0:
-            for off in range(0, V, BLOCK):
-                x, cols, msk = _load_block(base, off, V, regather, BLOCK)
-                take = (x >= s[:, None]) & msk  # NaN rows never get here
-                pos = n_buf[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-                tl.store(buf_val_ptr + row_region + pos, x, mask=take & (pos < CAP))
-                tl.store(buf_idx_ptr + row_region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-                n_buf += tl.sum(take.to(tl.int32), 1)
-        in_buf = gathered | regather
+        # ---- 3. parallel gather of this chunk at the best usable threshold, over the chunk's own slots
+        n_re = tl.zeros((R,), tl.int32)
+        stop = tl.where(tl.max(regather.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+        for off in range(start, stop, BLOCK):
+            x, cols, msk = _load_block(base, off, V, regather, BLOCK)
+            take = (x >= s[:, None]) & msk  # NaN rows never get here
+            pos = n_re[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+            tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
+            tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+            n_re += tl.sum(take.to(tl.int32), 1)
+        tl.store(search_i_ptr + sbase + NT + 2, n_re, mask=row_ok)
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        row_ok &= arrived == split - 1  # the row's last program to arrive finishes it
+        k_on &= row_ok
+        p_on &= row_ok
+        mp_on &= row_ok
+        regather &= row_ok
+        in_buf = (gathered | regather) & row_ok
+        full = filtered & row_ok & ~in_buf
+        n_re_chunk = tl.load(search_i_ptr + parts + NT + 2, mask=pm & regather[:, None], other=0, volatile=True)
+        n_chunk = tl.where(regather[:, None], n_re_chunk, n_chunk)  # [R, SPLIT]
+        n_buf = tl.where(in_buf, tl.sum(n_chunk, 1), 0)
         # where slot i of the row's gathered list lives: chunk = number of chunk lists ending at or before i
-        ends = tl.where(regather[:, None], n_buf[:, None], tl.cumsum(n_chunk, 1))  # [R, SPLIT]
+        ends = tl.cumsum(n_chunk, 1)
         tl.store(ends_ptr + rows[:, None] * SPLIT + sp[None, :], ends, mask=in_buf[:, None])
-        tl.debug_barrier()  # the buffer and the ends were written by other threads of this program
+        tl.debug_barrier()  # the ends were written by other threads of this program
 
         # exact cut on the <= CAP gathered logits, then the race among them
         if tl.max(in_buf.to(tl.int32)) > 0:
@@ -363,7 +366,6 @@ def _search_kernel(
             token = tl.where(in_buf, drawn, token)
 
         # ---- 4. rows whose kept set may exceed CAP: exact cut, then a race over the row (one program per row)
-        full = filtered & ~in_buf
         if tl.max(full.to(tl.int32)) > 0:
             lo = _ordered_key(x_min).to(tl.int64)
             top = _ordered_key(m).to(tl.int64) + 1
@@ -384,8 +386,7 @@ def _search_kernel(
                 best_idx = tl.where(blk_best > best, blk_idx, best_idx)
                 best = tl.maximum(best, blk_best)
             token = tl.where(full, best_idx, token)
-
-    tl.store(out_ptr + rows, token, mask=row_ok)
+        tl.store(out_ptr + rows, token, mask=row_ok)
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None):
@@ -412,8 +413,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     device = logits.device
     part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, 3, dtype=torch.int32, device=device)
-    search_f = torch.empty(B, split, nt + 2, dtype=torch.float32, device=device)
-    search_i = torch.empty(B, split, nt + 2, dtype=torch.int32, device=device)
+    search_f = torch.empty(B, split, nt + 3, dtype=torch.float32, device=device)
+    search_i = torch.empty(B, split, nt + 3, dtype=torch.int32, device=device)
     ends = torch.empty(B, triton.next_power_of_2(split), dtype=torch.int32, device=device)
     buf_val = torch.empty(B, split, cap, dtype=torch.float32, device=device)
     buf_idx = torch.empty(B, split, cap, dtype=torch.int32, device=device)
@@ -425,13 +426,13 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         R=rows, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    _search_kernel[grid](
-        logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
-        part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters, out, split, chunk_len,
-        R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=triton.next_power_of_2(split),
-        LOG_SPLIT=triton.next_power_of_2(split).bit_length() - 1,
-        num_warps=num_warps,
-    )  # fmt: skip
+    for phase in (2, 3):  # search, then gather (if needed), cut and race
+        _search_kernel[grid](
+            logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
+            part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters, out, split, chunk_len,
+            R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=triton.next_power_of_2(split),
+            LOG_SPLIT=triton.next_power_of_2(split).bit_length() - 1, PHASE=phase, num_warps=num_warps,
+        )  # fmt: skip
     return out
 
 
