@@ -65,7 +65,7 @@ def _decode_kernel(
     norm_w_ptr,  # [DV]
     conv_ptr,  # [B, C, KW-1], updated in place
     state_ptr,  # [B, NV, DK, DV] fp32, updated in place
-    readers_ptr,  # [>= B*NK] int32 zeros: programs that have read a key head's q/k conv state; left at 0
+    readers_ptr,  # [B*NK] int32 zeros: programs that have read a key head's q/k conv state; left at 0
     out_ptr,  # [B, NV*DV]
     C,
     eps,
@@ -128,16 +128,17 @@ def _decode_kernel(
         tl.store(readers, 0)
 
 
-_readers = {}  # device -> int32 zeros, one per (row, key head); each key head's last program resets its own
+_readers = {}  # (device, size) -> int32 zeros, one per (row, key head); each key head's last program resets its own
 
 
 def reader_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed counters kept between calls (launches on one stream at a time per device). Allocated outside
-    any CUDA graph capture: a warm-up call at the batch size must come first, as for Triton's compile."""
-    buf = _readers.get(device)
-    if buf is None or buf.numel() < n:
+    """Zeroed counters kept between calls (launches on one stream at a time per device). One buffer per size,
+    never freed: a CUDA graph captured at one batch size keeps using its buffer after calls at another.
+    Allocated outside any capture: a warm-up call at the batch size must come first, as for Triton's compile."""
+    buf = _readers.get((device, n))
+    if buf is None:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
-        buf = _readers[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        buf = _readers[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
     return buf
 
 
