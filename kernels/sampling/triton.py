@@ -124,15 +124,14 @@ def _stats_kernel(
     sampled = row_ok & (temperature > 0)
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
-    # per-slot accumulators, reduced once after the loop: the loop's only cross-thread reduction is the max
+    # greedy's max / argmax / NaN flag per slot, reduced once after the loop; sampled rows' sums per block
     best = tl.full((R, BLOCK), float("-inf"), tl.float32)
     best_idx = tl.zeros((R, BLOCK), tl.int32) + V
     nan_slots = tl.zeros((R, BLOCK), tl.int32)
-    total_slots = tl.zeros((R, BLOCK), tl.float32)  # sum of exp2((x - ref) * c)
-    finite_slots = tl.zeros((R, BLOCK), tl.int32)
-    min_slots = tl.full((R, BLOCK), float("inf"), tl.float32)
     m_run = tl.full((R,), float("-inf"), tl.float32)
-    ref = tl.zeros((R,), tl.float32)
+    total = tl.zeros((R,), tl.float32)  # sum of exp2((x - m_run) * c)
+    n_finite = tl.zeros((R,), tl.int32)
+    x_min = tl.full((R,), float("inf"), tl.float32)
     start = chunk * chunk_len
     for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
         x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
@@ -143,21 +142,20 @@ def _stats_kernel(
         best_idx = tl.where(up, cols[None, :], best_idx)
         best = tl.where(up, x, best)
         if any_sampled:
-            m_run = tl.maximum(m_run, tl.max(x, 1))
-            ref_new = tl.where((m_run == float("-inf")) | (m_run == float("inf")), 0.0, m_run)
-            rescale = tl.exp2((ref - ref_new) * c)[:, None]
-            total_slots = total_slots * rescale + tl.exp2((x - ref_new[:, None]) * c[:, None])
-            ref = ref_new
+            m_new = tl.maximum(m_run, tl.max(x, 1))
+            ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
+            total = total * tl.exp2((m_run - ref) * c) + tl.sum(tl.exp2((x - ref[:, None]) * c[:, None]), 1)
+            m_run = m_new
             finite = x > float("-inf")
-            finite_slots += finite.to(tl.int32)
-            min_slots = tl.minimum(min_slots, tl.where(finite, x, float("inf")))
+            n_finite += tl.sum(finite.to(tl.int32), 1)
+            x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), 1))
     m = tl.max(best, 1)
     part = (rows * split + chunk) * 3
     tl.store(part_f_ptr + part, m, mask=row_ok)
-    tl.store(part_f_ptr + part + 1, tl.sum(total_slots, 1), mask=row_ok)  # relative to ref = this chunk's max
-    tl.store(part_f_ptr + part + 2, tl.min(min_slots, 1), mask=row_ok)
+    tl.store(part_f_ptr + part + 1, total, mask=row_ok)  # relative to this chunk's max
+    tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
     tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
-    tl.store(part_i_ptr + part + 1, tl.sum(finite_slots, 1), mask=row_ok)
+    tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
     tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
     first_chunk = row_ok & (rows * 0 + chunk == 0)
     tl.store(counter_ptr + rows, tl.zeros((R,), tl.int32), mask=first_chunk)  # for the search kernel's arrivals
@@ -241,21 +239,14 @@ def _search_kernel(
     region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
     start = chunk * chunk_len
     if PHASE == 2:
-        # counts and masses accumulate per slot (no cross-thread reduction in the loop), reduced once after it
-        cnt_slots = tl.zeros((R, BLOCK_T, NT), tl.int32)
-        mass_slots = tl.zeros((R, BLOCK_T, NT), tl.float32)
-        mass_spec_slots = tl.zeros((R, BLOCK_T), tl.float32)
-        race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
-        race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
+        mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
+        race_slots = tl.full((R, BLOCK), float("-inf"), tl.float32)
+        race_idx = tl.zeros((R, BLOCK), tl.int32) + V
         n_spec = tl.zeros((R,), tl.int32)
         stop = tl.where(tl.max(active.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # greedy: no pass
-        for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-            x, cols, msk = _load_block(base, off, V, active, BLOCK_T)  # active rows have no NaN
+        for off in range(start, stop, BLOCK):
+            x, cols, msk = _load_block(base, off, V, active, BLOCK)  # active rows have no NaN
             p = tl.exp2((x - m[:, None]) * c[:, None])
-            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
-            cnt_slots += ge.to(tl.int32)
-            if use_mass:
-                mass_slots += tl.where(ge, p[:, :, None], 0.0)
             take = (x >= spec[:, None]) & msk
             pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
             tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
@@ -269,9 +260,7 @@ def _search_kernel(
                 up = race > race_slots  # strict: a slot keeps its earliest index on ties
                 race_idx = tl.where(up, cols[None, :], race_idx)
                 race_slots = tl.where(up, race, race_slots)
-        # publish this chunk's partials; the next launch combines them
-        tl.store(search_i_ptr + sbase[:, None] + j[None, :], tl.sum(cnt_slots, 1), mask=row_ok[:, None])
-        tl.store(search_f_ptr + sbase[:, None] + j[None, :], tl.sum(mass_slots, 1), mask=row_ok[:, None])
+        # publish this chunk's partials; the next launches combine them
         tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
         tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
         race_best = tl.max(race_slots, 1)
@@ -279,27 +268,44 @@ def _search_kernel(
         race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
         tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
     else:
-        # the search partials of all chunks, summed in chunk order: the same decisions in every program
+        # the speculative gather's partials of all chunks, summed in chunk order: the same in every program
         sp = tl.arange(0, SPLIT)
         parts = (rows[:, None] * split + sp[None, :]) * (NT + 3)  # [R, SPLIT]
         pm = active[:, None] & (sp < split)[None, :]
-        pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
-        parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
-        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
-        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
         n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0)  # [R, SPLIT]
         n_spec = tl.sum(n_chunk, 1)
         mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0), 1)
+        spec_ok = tl.where(
+            k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
+        )
+        gathered = filtered & spec_ok & (n_spec <= CAP)
+        counted = filtered & ~gathered  # rows that need the threshold counts to regather
+
+    if PHASE == 3:  # counts (and masses, for top-p without top-k) of x >= s_j over this chunk, missed rows only
+        cnt = tl.zeros((R, NT), tl.int32)
+        mass = tl.zeros((R, NT), tl.float32)
+        stop = tl.where(tl.max(counted.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+        for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
+            x, cols, msk = _load_block(base, off, V, counted, BLOCK_T)
+            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
+            cnt += tl.sum(ge.to(tl.int32), 1)
+            if use_mass:
+                p = tl.exp2((x - m[:, None]) * c[:, None])
+                mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
+        tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
+        tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
+
+    if PHASE == 4:
+        pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
+        parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
+        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
+        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
         race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"))
         race_best = tl.max(race_bests, 1)
         race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V)
         race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
         token = tl.where(unfiltered, race_tok, token)
 
-        spec_ok = tl.where(
-            k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
-        )
-        gathered = filtered & spec_ok & (n_spec <= CAP)
         # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
         below_cut = tl.where(
             k_on[:, None],
@@ -309,7 +315,7 @@ def _search_kernel(
         )
         usable = below_cut & (cnt <= CAP)
         j_best = tl.min(tl.where(usable, j[None, :], NT), 1)
-        regather = filtered & ~gathered & (j_best < NT)
+        regather = counted & (j_best < NT)
         s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
 
         # ---- 3. parallel gather of this chunk at the best usable threshold, over the chunk's own slots
@@ -428,7 +434,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         R=rows, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    for phase in (2, 3):  # search, then gather (if needed), cut and race
+    for phase in (2, 3, 4):  # speculative gather, counts where it missed, regather + cut + race
         _search_kernel[grid](
             logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
             part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters, out, split, chunk_len,
