@@ -240,12 +240,10 @@ def _search_kernel(
     start = chunk * chunk_len
     if PHASE == 2:
         mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
-        race_slots = tl.full((R, BLOCK), float("-inf"), tl.float32)
-        race_idx = tl.zeros((R, BLOCK), tl.int32) + V
         n_spec = tl.zeros((R,), tl.int32)
-        stop = tl.where(tl.max(active.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # greedy: no pass
+        stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
         for off in range(start, stop, BLOCK):
-            x, cols, msk = _load_block(base, off, V, active, BLOCK)  # active rows have no NaN
+            x, cols, msk = _load_block(base, off, V, filtered, BLOCK)  # active rows have no NaN
             p = tl.exp2((x - m[:, None]) * c[:, None])
             take = (x >= spec[:, None]) & msk
             pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
@@ -253,20 +251,9 @@ def _search_kernel(
             tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
             n_spec += tl.sum(take.to(tl.int32), 1)
             mass_spec_slots += tl.where(take, p, 0.0)
-            if any_unfiltered:
-                keep = unfiltered[:, None] & msk & (x > float("-inf"))
-                race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
-                race = tl.where(keep, race, float("-inf"))
-                up = race > race_slots  # strict: a slot keeps its earliest index on ties
-                race_idx = tl.where(up, cols[None, :], race_idx)
-                race_slots = tl.where(up, race, race_slots)
         # publish this chunk's partials; the next launches combine them
         tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
         tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
-        race_best = tl.max(race_slots, 1)
-        tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
-        race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
-        tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
     else:
         # the speculative gather's partials of all chunks, summed in chunk order: the same in every program
         sp = tl.arange(0, SPLIT)
@@ -282,18 +269,32 @@ def _search_kernel(
         counted = filtered & ~gathered  # rows that need the threshold counts to regather
 
     if PHASE == 3:  # counts (and masses, for top-p without top-k) of x >= s_j over this chunk, missed rows only
+        # and the exponential race over this chunk for rows without a filter (no cut to find)
         cnt = tl.zeros((R, NT), tl.int32)
         mass = tl.zeros((R, NT), tl.float32)
-        stop = tl.where(tl.max(counted.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+        race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
+        race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
+        stop = tl.where(tl.max((counted | unfiltered).to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
         for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-            x, cols, msk = _load_block(base, off, V, counted, BLOCK_T)
+            x, cols, msk = _load_block(base, off, V, counted | unfiltered, BLOCK_T)
             ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
             cnt += tl.sum(ge.to(tl.int32), 1)
             if use_mass:
                 p = tl.exp2((x - m[:, None]) * c[:, None])
                 mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
+            if any_unfiltered:
+                keep = unfiltered[:, None] & msk & (x > float("-inf"))
+                race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+                race = tl.where(keep, race, float("-inf"))
+                up = race > race_slots  # strict: a slot keeps its earliest index on ties
+                race_idx = tl.where(up, cols[None, :], race_idx)
+                race_slots = tl.where(up, race, race_slots)
         tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
         tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
+        race_best = tl.max(race_slots, 1)
+        tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
+        race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
+        tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
 
     if PHASE == 4:
         pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
