@@ -1,26 +1,27 @@
-"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in three launches, no sort of the vocabulary.
+"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in four launches, no sort of the vocabulary.
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
-(row, chunk) in every launch, so each pass over a typical row is spread over many programs:
+(row, chunk) in every launch, so each pass over a row is spread over many programs (launches that a row
+does not need cost its programs a few loads of partials):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit and the number of
-   finite logits -> a small workspace. It also zeroes the rows' arrival counters for launch 3.
-2. `_search_kernel` PHASE 2: every program combines the chunk stats, then over its chunk: counts (and
-   masses, for top-p without top-k) of x >= s_j at NT logit thresholds spread geometrically between the max
-   and the smallest logit, and a speculative gather of every x >= s into the chunk's own CAP slots; rows
+   finite logits -> a small workspace. It also zeroes the rows' arrival counters for launch 4.
+2. `_search_kernel` PHASE 2 (filtered rows): every program combines the chunk stats, then gathers every
+   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p: the speculative gather.
+3. PHASE 3: every program sums the gather's partials in chunk order (the same decisions everywhere, on every
+   call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) < min_p; top-p: the tokens
+   with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at least k tokens
+   gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p without top-k)
+   x >= s_j at NT logit thresholds spread geometrically between the max and the smallest logit; rows
    without a filter run the exponential race over the chunk instead.
-3. `_search_kernel` PHASE 3: every program sums the search partials in chunk order (the same decisions
-   everywhere, on every call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) < min_p;
-   top-p: the tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at
-   least k tokens gathered) and at most CAP tokens came; otherwise it regathers its chunk at the highest
-   threshold provably at or below the cut holding at most CAP tokens. The row's last program to arrive
-   (atomic counter, no waiting) finds the exact top-k / top-p / min-p cut on the <= CAP gathered logits in
-   registers (bisection of their keys) and draws the token by an exponential race: argmax over kept i of
-   log2(p_i) - log2(-ln U_i).
-4. fallback in that last program, when the kept set has more than CAP tokens (flat rows, huge k): exact
-   bisection of the cut on the order-preserving int32 keys of the logits, NT thresholds per pass over the
-   row, then a race pass (one program per row: slow, but only such rows pay).
+4. PHASE 4: rows where the gather missed regather each chunk at the highest threshold provably at or below
+   the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting) finds
+   the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their keys)
+   and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i).
+   Fallback in that program, when the kept set has more than CAP tokens (flat rows, huge k): exact bisection
+   of the cut on the order-preserving int32 keys of the logits, NT thresholds per pass over the row, then a
+   race pass (one program per row: slow, but only such rows pay).
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
