@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from qmoe.model.qwen35_moe import Qwen35MoE
+from qmoe.model.qwen35_moe import Qwen35MoE, rope_inv_freq
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def to_transformers(model: Qwen35MoE, attn_implementation: str = "eager", share_
             hf_state[hf_key(name)].copy_(p)
     # Non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty.
     rotary = hf.model.rotary_emb
-    inv_freq, _ = rotary.compute_default_rope_parameters(config, device=model.device)
+    inv_freq = rope_inv_freq(model.config, model.device)
     rotary.inv_freq.copy_(inv_freq)
     rotary.original_inv_freq.copy_(inv_freq)
     return hf.eval()

@@ -16,6 +16,12 @@ from qmoe.model.config import ModelConfig
 KERNEL_GROUPS = kernels.OPS
 
 
+def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
+    """RoPE inverse frequencies of the rotary part of each head, fp32 [rotary_dim / 2]."""
+    rot = cfg.rotary_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+
+
 class Weight(nn.Module):
     """Holds one parameter named `weight` (norms, router, conv) so state-dict keys match the checkpoints."""
 
@@ -187,9 +193,7 @@ class Qwen35MoE(nn.Module):
         cfg = self.config
         for layer in self.layers:
             layer.mixer.setup_cache(batch_size, max_seq_len, self.dtype, self.device)
-        rot = cfg.rotary_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.device), persistent=False)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def reset_caches(self) -> None:
