@@ -14,9 +14,10 @@ from qmoe.metrics.logging import log_wandb, write_results
 from qmoe.metrics.measure import environment, latency_stats, peak_memory, reset_peak_memory
 from qmoe.model import ModelConfig, Qwen35MoE, build_model
 from qmoe.prompts import build_prompts, check_fits
-from qmoe.runtime.combos import combination_error, resolve_cuda_graph
-from qmoe.runtime.generate import ReferenceRunner, generate
+from qmoe.runtime.combos import resolve_cuda_graph
+from qmoe.runtime.generate import generate
 from qmoe.runtime.ledger import TransferLedger
+from qmoe.runtime.runners import make_runner
 from qmoe.settings import ConfigError, Settings, validate
 
 SCHEMA_VERSION = 1
@@ -62,38 +63,28 @@ def get_model(cfg: DictConfig, s: Settings, progress: bool) -> LoadedModel:
     return _MODELS[key]
 
 
-def make_runner(s: Settings, model: Qwen35MoE, cfg: DictConfig, ledger: TransferLedger):
-    """reference: the eager model; host / cuda_native: the program saved in runtime.program, else exported
-    in-process under cfg.export (once per process and method, see qmoe.runtime.executor). Invalid
-    combinations are a one-line ConfigError."""
-    has_cuda = s.device.type == "cuda"
-    planning = bool(OmegaConf.select(cfg, "export.device_memory_planning", default=False))
-    split = OmegaConf.select(cfg, "export.method_split", default="split")
+def runner_for(s: Settings, cfg: DictConfig, loaded: LoadedModel, ledger: TransferLedger):
+    """The runner cfg.runtime asks for over the loaded model; host / cuda_native run the program saved in
+    runtime.program, else one exported in-process under cfg.export."""
+    from qmoe.export import ExportSettings
+
+    settings = ExportSettings.from_cfg(cfg.export)
     try:
         graphs = resolve_cuda_graph(
-            OmegaConf.select(cfg, "runtime.cuda_graph", default=False), s.runtime, planning, has_cuda
+            OmegaConf.select(cfg, "runtime.cuda_graph", default=False),
+            s.runtime,
+            settings.device_memory_planning,
+            s.device.type == "cuda",
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    error = combination_error(s.runtime, split, planning, graphs, has_cuda)
-    if error is not None:
-        raise ConfigError(error)
-    if s.runtime == "reference":
-        return ReferenceRunner(model, s.sampling, s.batch_size, ledger)
-    from qmoe.export import ExportSettings
-    from qmoe.runtime.cuda_native import CudaNativeRunner
-    from qmoe.runtime.executor import build_program, load_program
-    from qmoe.runtime.host import HostRunner
-
-    settings = ExportSettings.from_cfg(cfg.export)
     saved = OmegaConf.select(cfg, "runtime.program", default=None)
-    if saved:
-        identity = get_model(cfg, s, progress=False).identity  # cached: the weights this model was built with
-        program = load_program(saved, model, identity, settings)
-    else:
-        program = build_program(model, settings, s.batch_size, s.max_seq_len)
-    runner = HostRunner if s.runtime == "host" else CudaNativeRunner
-    return runner(program, model, s.sampling, s.batch_size, ledger, cuda_graph=graphs)
+    program = None
+    if saved and s.runtime != "reference":
+        from qmoe.runtime.executor import load_program
+
+        program = load_program(saved, loaded.model, loaded.identity, settings)
+    return make_runner(loaded.model, s.runtime, settings, s.sampling, s.batch_size, ledger, graphs, program)
 
 
 def runtime_setup(runner) -> dict:
@@ -117,7 +108,8 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress:
     run_dir = Path(run_dir or "outputs/latest")
     reset_peak_memory()
     t0 = time.perf_counter()
-    model, identity, tokenizer = get_model(cfg, s, progress)
+    loaded = get_model(cfg, s, progress)
+    model, identity, tokenizer = loaded
     model_ready_s = time.perf_counter() - t0
     mcfg = model.config
 
@@ -128,7 +120,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path | None = None, progress:
         model.setup_caches(s.batch_size, s.max_seq_len)
 
     ledger = TransferLedger()
-    runner = make_runner(s, model, cfg, ledger)
+    runner = runner_for(s, cfg, loaded, ledger)
     eos = (
         (tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids) if cfg.generation.stop_on_eos else ()
     )

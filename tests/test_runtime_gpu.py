@@ -11,11 +11,12 @@ import yaml
 
 from qmoe.export import ExportSettings
 from qmoe.model import ModelConfig, build_model
-from qmoe.runtime.ablation import decode_allocations, make_runner
+from qmoe.runtime.ablation import decode_allocations
 from qmoe.runtime.combos import combination_error
 from qmoe.runtime.generate import generate
 from qmoe.runtime.ledger import TransferLedger
 from qmoe.runtime.profile import ledger_totals, profiled_memcpys
+from qmoe.runtime.runners import make_runner
 from qmoe.settings import SamplingSettings
 
 pytestmark = pytest.mark.gpu

@@ -7,25 +7,10 @@ import time
 import torch
 
 from qmoe.metrics.measure import latency_stats
-from qmoe.runtime.combos import combination_error
-from qmoe.runtime.cuda_native import CudaNativeRunner
-from qmoe.runtime.executor import build_program
-from qmoe.runtime.generate import ReferenceRunner, generate
-from qmoe.runtime.host import HostRunner
+from qmoe.runtime.generate import generate
 from qmoe.runtime.ledger import TransferLedger
 from qmoe.runtime.profile import ledger_totals, profiled_memcpys
-
-
-def make_runner(model, runtime: str, export, sampling, batch: int, ledger: TransferLedger, cuda_graph: bool):
-    """runtime in reference | host | cuda_native; export: ExportSettings (ignored by reference)."""
-    error = combination_error(runtime, export.method_split, export.device_memory_planning, cuda_graph, True)
-    if error is not None:
-        raise ValueError(error)
-    if runtime == "reference":
-        return ReferenceRunner(model, sampling, batch, ledger)
-    program = build_program(model, export, batch, model.max_seq_len)
-    cls = HostRunner if runtime == "host" else CudaNativeRunner
-    return cls(program, model, sampling, batch, ledger, cuda_graph=cuda_graph)
+from qmoe.runtime.runners import make_runner
 
 
 def decode_allocations(runner, prompt: torch.Tensor, steps: int) -> dict:
