@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, gemm_tflops, target, time_calls
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, gemm_tflops, print_targets, target, time_calls
 
 from kernels.attention import naive
 from kernels.attention import triton as tri
@@ -147,9 +147,7 @@ def main():
             f"{r['triton_attention_share_of_step']:.0%} (triton) / {r['torch_attention_share_of_step']:.0%} (torch) "
             f"of the step (rest >= {rest_of_step_us / 1e3:.1f} ms)"
         )
-    for t in targets:
-        miss = "" if t["met"] else f", missed {t['missed_by_x']:.2f}x"
-        print(f"{'met ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.3g} (target {t['target']}{miss})")
+    print_targets(targets)
     print(f"-> {args.out} ({result['seconds']:.0f} s)")
 
 

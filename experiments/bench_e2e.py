@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import ceilings, target, write_json
+from benchlib import ceilings, print_targets, target, write_json
 from hydra import compose, initialize_config_dir
 
 from qmoe.app import get_model, run_experiment
@@ -194,8 +194,7 @@ def main():
             f"{r['label'][:58]:<58} {r['batch']:>3} {r['prompt_len']:>5} {r['ttft_ms']:>9.1f} "
             f"{r['prefill_tokens_per_s']:>11.0f} {r['decode_ms_p50']:>8.3f} {r['tokens_per_s']:>8.1f} {floor:>6}"
         )
-    for t in targets:
-        print(f"target {t['what']}: {t['value']:.3f} {t['target']} -> {'met' if t['met'] else 'MISSED'}")
+    print_targets(targets)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is imported (smoke runs)
 
-from benchlib import L2_FLUSH_BYTES, ceilings, target, time_calls, write_json  # noqa: E402
+from benchlib import L2_FLUSH_BYTES, ceilings, print_targets, target, time_calls, write_json  # noqa: E402
 
 from kernels.gdn import naive  # noqa: E402
 from kernels.gdn import triton as gdn_triton  # noqa: E402
@@ -135,9 +135,7 @@ def main():
         elif "speedup_vs_torch" in r:
             note = f"{r['speedup_vs_torch']:.1f}x vs torch"
         print(f"{r['phase']:<32}{r['impl']:<8}{r['T']:>6}{r['us']:>12.1f}  {note}")
-    for t in targets:
-        miss = "" if t["met"] else f"  (missed by {t['missed_by_x']:.2f}x)"
-        print(f"{'MET ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.2f} (target {t['target']}){miss}")
+    print_targets(targets)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, print_targets, target, time_calls
 
 from kernels.attention import naive as attn_naive
 from kernels.attention import triton as attn_tri
@@ -109,9 +109,7 @@ def main():
     for r in rows:
         cols = f"{r['triton_us']:>10.2f} {r['triton_gbs']:>7.0f} {r['torch_us']:>9.2f} {r['torch_gbs']:>7.0f}"
         print(f"{r['op']:>15} {r['M']:>5} {cols} {r['speedup_vs_torch']:>7.1f}x")
-    for t in targets:
-        miss = "" if t["met"] else f", missed {t['missed_by_x']:.2f}x"
-        print(f"{'met ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.3g} (target {t['target']}{miss})")
+    print_targets(targets)
     print(f"-> {args.out} ({result['seconds']:.0f} s)")
 
 

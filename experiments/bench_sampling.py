@@ -24,7 +24,7 @@ import math
 import time
 
 import torch
-from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, target, time_calls, write_json
+from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, print_targets, target, time_calls, write_json
 
 from kernels.sampling import triton as fused
 
@@ -139,9 +139,7 @@ def main():
         base_s, speed = (f"{base:9.1f}", f"{base / r['us']:7.1f}x") if base is not None else (f"{'-':>9}", f"{'-':>8}")
         head = f"{r['mode']:>15} {r['B']:>4} {r['dtype']:>9} {r['logits']:>6}"
         print(f"{head} {r['us']:9.1f} {base_s} {speed} {r['floor_us']:7.1f}")
-    for t in targets:
-        miss = f", missed by {t['missed_by_x']:.2f}x" if not t["met"] else ""
-        print(f"{'met ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.3g} (target {t['target']}{miss})")
+    print_targets(targets)
     print(f"-> {args.out} ({seconds:.0f} s)")
 
 

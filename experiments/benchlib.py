@@ -93,6 +93,12 @@ def target(what: str, value: float, limit: float, at_most: bool) -> dict:
     }
 
 
+def print_targets(targets: list[dict]) -> None:
+    for t in targets:
+        miss = "" if t["met"] else f", missed {t['missed_by_x']:.2f}x"
+        print(f"{'met ' if t['met'] else 'MISS'} {t['what']}: {t['value']:.3g} (target {t['target']}{miss})")
+
+
 def write_json(path: str | Path, benchmark: str, device: str, **sections) -> dict:
     doc = {**environment(torch.device(device)), "benchmark": benchmark, **sections}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
