@@ -1,6 +1,6 @@
 """Triton kernels for qmoe, one op group per sub-package.
 
-Each op group (`moe`, `sampling`, `gdn`, `attention`, `norm`) has a plain PyTorch reference in
+Each op group (`linear`, `moe`, `sampling`, `gdn`, `attention`, `norm`) has a plain PyTorch reference in
 `naive.py` -- the model's `torch` path and the oracle for the kernel tests -- and its Triton
 implementation beside it. `kernels.resolve(op, impl)` picks one for the model's `kernels.<op>` switch.
 """
@@ -13,7 +13,7 @@ from types import ModuleType
 __version__ = "0.0.0"
 
 IMPLEMENTATIONS = ("torch", "triton")
-OPS = ("moe", "sampling", "gdn", "attention", "norm")
+OPS = ("linear", "moe", "sampling", "gdn", "attention", "norm")
 
 
 def resolve(op: str, impl: str) -> ModuleType:
@@ -23,3 +23,13 @@ def resolve(op: str, impl: str) -> ModuleType:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"kernels.{op}={impl!r} is not allowed; use one of: {', '.join(IMPLEMENTATIONS)}")
     return importlib.import_module(f"kernels.{op}.{'naive' if impl == 'torch' else 'triton'}")
+
+
+def tracing() -> bool:
+    """True while torch.export / torch.compile trace the model. The Triton ops launch through their
+    `torch.library.custom_op` (which carries the fake the tracer needs) only then; in eager they call their
+    launcher directly, which saves the custom-op dispatch on every call (host time the CUDA graph hides but
+    an eager user pays)."""
+    import torch  # not at import time: `run.py --help` must not load torch
+
+    return torch.compiler.is_compiling()
