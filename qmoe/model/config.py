@@ -83,6 +83,21 @@ class ModelConfig:
     def linear_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
+    def decode_projections(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each dense projection of a layer (and lm_head), with the projections that read the same input
+        fused into one (the model concatenates their weights): the shapes the GEMV kernel is tuned and measured on."""
+        H, nv, Is = self.hidden_size, self.linear_num_value_heads, self.shared_expert_intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {
+            "gdn_in": (self.conv_dim + self.linear_value_dim + 2 * nv, H),  # in_proj_qkv | z | b | a
+            "gdn_out": (H, self.linear_value_dim),
+            "attn_qkv": (2 * q + 2 * kv, H),  # q_proj (query and gate) | k_proj | v_proj
+            "attn_o": (H, q),
+            "moe_in": (self.num_experts + 2 * Is + 1, H),  # router | shared gate | shared up | shared-expert gate
+            "shared_down": (H, Is),
+            "lm_head": (self.vocab_size, H),
+        }
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         """From our config keys or a Hugging Face text config (extra keys ignored, rope nested or flat)."""
