@@ -50,24 +50,26 @@ def fused_moe(
     return out
 
 
-def shared_expert(x, gate_proj, up_proj, down_proj, shared_gate):
-    """sigmoid(x @ shared_gate^T) * down(silu(gate(x)) * up(x)) -> [M, H]."""
-    y = F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
-    return torch.sigmoid(F.linear(x, shared_gate)) * y
+def split_projection(proj: torch.Tensor, num_experts: int, shared_intermediate: int):
+    """The fused input projection [M, E + 2 Is + 1] -> (router logits [M, E], shared gate [M, Is], shared up
+    [M, Is], shared-expert gate logit [M, 1]): the row order of the model's SparseMoE.in_proj."""
+    return proj.split([num_experts, shared_intermediate, shared_intermediate, 1], dim=-1)
+
+
+def shared_expert(gate: torch.Tensor, up: torch.Tensor, down_proj: torch.Tensor, gate_logit: torch.Tensor):
+    """sigmoid(gate_logit) * down(silu(gate) * up) -> [M, H]."""
+    return torch.sigmoid(gate_logit) * F.linear(F.silu(gate) * up, down_proj)
 
 
 def moe_block(
     x: torch.Tensor,  # [M, H]
-    router: torch.Tensor,  # [E, H]
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_proj: torch.Tensor,  # [Is, H]
-    shared_up_proj: torch.Tensor,  # [Is, H]
+    proj: torch.Tensor,  # [M, E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
-    shared_gate: torch.Tensor,  # [1, H]
     top_k: int,
 ) -> torch.Tensor:
-    """The whole sparse MoE block -> [M, H]."""
-    topk_weights, topk_ids = route(F.linear(x, router), top_k)
-    routed = fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return routed + shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate)
+    """The sparse MoE block after its fused input projection -> [M, H]."""
+    router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
+    topk_weights, topk_ids = route(router_logits, top_k)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids) + shared_expert(gate, up, shared_down_proj, gate_logit)

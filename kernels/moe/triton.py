@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.moe.naive import shared_expert
+from kernels.moe.naive import shared_expert, split_projection
 
 __all__ = ["route", "fused_moe", "shared_expert", "moe_block"]
 
@@ -362,17 +362,15 @@ def _(x, w13, w2, topk_weights, topk_ids):
 
 def moe_block(
     x: torch.Tensor,  # [M, H]
-    router: torch.Tensor,  # [E, H]
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_proj: torch.Tensor,  # [Is, H]
-    shared_up_proj: torch.Tensor,  # [Is, H]
+    proj: torch.Tensor,  # [M, E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
-    shared_gate: torch.Tensor,  # [1, H]
     top_k: int,
 ) -> torch.Tensor:
-    """The whole sparse MoE block -> [M, H]. The router and shared-expert matmuls stay on cuBLAS (plain dense
-    GEMMs, nothing to fuse that pays); routing and the routed experts run in Triton."""
-    topk_weights, topk_ids = route(F.linear(x, router), top_k)
+    """The sparse MoE block after its fused input projection -> [M, H]: routing and the routed experts in Triton,
+    the shared expert's down projection on cuBLAS."""
+    router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
+    topk_weights, topk_ids = route(router_logits, top_k)
     routed = fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return routed + shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate)
+    return routed + shared_expert(gate, up, shared_down_proj, gate_logit)

@@ -44,19 +44,9 @@ def _(mixed_qkv, z, *args):
 
 @torch.library.custom_op("qmoe_export::moe_block", mutates_args=())
 def moe_block(
-    x: torch.Tensor,
-    router: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared_gate_proj: torch.Tensor,
-    shared_up_proj: torch.Tensor,
-    shared_down_proj: torch.Tensor,
-    shared_gate: torch.Tensor,
-    top_k: int,
+    x: torch.Tensor, proj: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_down_proj: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    return moe_naive.moe_block(
-        x, router, w13, w2, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate, top_k
-    )
+    return moe_naive.moe_block(x, proj, w13, w2, shared_down_proj, top_k)
 
 
 @moe_block.register_fake

@@ -36,7 +36,24 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return layer
 
 
+def fuse_rows_(module: nn.Module, parts: tuple[str, ...]) -> torch.Tensor:
+    """Re-seat the `weight` of each sub-module in `parts` ([n_i, K]) as consecutive row slices of one new
+    [sum n_i, K] tensor, and return it (values kept). One GEMV then reads what several projections of the same
+    input read; the state-dict keys, and the loader that copies into the parameters, are unchanged, and once the
+    old tensors are freed no memory is added."""
+    subs = [module.get_submodule(part) for part in parts]
+    fused = torch.cat([sub.weight.data for sub in subs])  # [sum n_i, K]
+    start = 0
+    for sub in subs:
+        rows = sub.weight.shape[0]
+        sub.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
 class GatedAttention(nn.Module):
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
@@ -55,17 +72,21 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, positions, inv_freq, ops):  # x [B, T, H], positions [B, T]
         B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
+        q, k, v = ops["linear"].linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         attn = ops["attention"]
         q, k = attn.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.eps)
         out = attn.attention(q, k, v, self.k_cache, self.v_cache, positions, self.head_dim**-0.5)
         out = out.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.o_proj(out)
+        return ops["linear"].linear(out, self.o_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):
+    FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H = cfg.hidden_size
@@ -89,11 +110,13 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("recurrent_state", state, persistent=False)
 
     def forward(self, x, positions, inv_freq, ops):  # x [B, T, H]
+        sizes = [self.conv_dim, self.nv * self.dv, self.nv, self.nv]
+        mixed_qkv, z, b, a = ops["linear"].linear(x, self.in_proj).split(sizes, dim=-1)
         core = ops["gdn"].gated_delta_net(
-            self.in_proj_qkv(x),
-            self.in_proj_z(x),
-            self.in_proj_a(x),
-            self.in_proj_b(x),
+            mixed_qkv,
+            z,
+            a,
+            b,
             self.conv1d.weight,
             self.A_log,
             self.dt_bias,
@@ -103,7 +126,7 @@ class GatedDeltaNet(nn.Module):
             self.nk,
             self.eps,
         )
-        return self.out_proj(core)
+        return ops["linear"].linear(core, self.out_proj.weight)
 
 
 class Experts(nn.Module):
@@ -122,6 +145,8 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    FUSED = {"in_proj": ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -131,19 +156,10 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
 
     def forward(self, x, ops):  # x [B, T, H]
-        s = self.shared_expert
-        out = ops["moe"].moe_block(
-            x.flatten(0, 1),
-            self.gate.weight,
-            self.experts.gate_up_proj,
-            self.experts.down_proj,
-            s.gate_proj.weight,
-            s.up_proj.weight,
-            s.down_proj.weight,
-            self.shared_expert_gate.weight,
-            self.top_k,
-        )
-        return out.view_as(x)
+        rows = x.flatten(0, 1)  # [M, H]
+        proj = ops["linear"].linear(rows, self.in_proj)  # [M, E + 2 Is + 1]
+        e, shared_down = self.experts, self.shared_expert.down_proj.weight
+        return ops["moe"].moe_block(rows, proj, e.gate_up_proj, e.down_proj, shared_down, self.top_k).view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -174,6 +190,14 @@ class Qwen35MoE(nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         self.ops = {group: kernels.resolve(group, "torch") for group in KERNEL_GROUPS}
         self.batch_size = self.max_seq_len = 0
+
+    def fuse_projections_(self) -> None:
+        """Concatenate the weights of the projections that read the same input (each block's FUSED groups) into
+        one non-persistent buffer per group, the parameters becoming row slices of it. Call once the parameters
+        are materialised (build_model does): moving the model afterwards would split them apart again."""
+        for module in self.modules():
+            for name, parts in getattr(module, "FUSED", {}).items():
+                module.register_buffer(name, fuse_rows_(module, parts), persistent=False)
 
     def set_kernels(self, choice: dict) -> None:
         """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are."""
@@ -218,7 +242,7 @@ class Qwen35MoE(nn.Module):
             x, residual = norm.add_rms_norm(moe_out, residual, next_norm.weight, eps)
         if not all_logits:
             x = x[:, -1]
-        return self.lm_head(x).float()
+        return self.ops["linear"].linear(x, self.lm_head.weight).float()
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
         """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation."""
@@ -256,6 +280,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int | None =
     with torch.device("meta"):
         model = Qwen35MoE(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
+    model.fuse_projections_()
     if seed is not None:
         init_random_(model, seed, progress)
     return model.eval()

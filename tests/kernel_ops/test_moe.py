@@ -106,11 +106,12 @@ def test_route_ties():
 
 
 def block_args(M, H, E, I, Is, dtype, seed=0):
+    """(x, proj, w13, w2, shared_down): proj is the fused input projection the model's SparseMoE computes."""
     gen = torch.Generator().manual_seed(seed)
     x, w13, w2 = make_experts(M, H, E, I, dtype, seed)
-    shared = [torch.randn(*s, generator=gen).to(dtype) / s[-1] ** 0.5 for s in ((Is, H), (Is, H), (H, Is), (1, H))]
-    router = torch.randn(E, H, generator=gen).to(dtype)
-    return x, router, w13, w2, *shared
+    in_proj = torch.randn(E + 2 * Is + 1, H, generator=gen).to(dtype) / H**0.5  # router | gate | up | shared gate
+    shared_down = torch.randn(H, Is, generator=gen).to(dtype) / Is**0.5
+    return x, x @ in_proj.T, w13, w2, shared_down
 
 
 @pytest.mark.parametrize("M", [4, 70], ids=["decode", "prefill"])
@@ -126,8 +127,8 @@ def test_moe_block_export():
     program runs the Triton kernels."""
 
     class Block(torch.nn.Module):
-        def forward(self, x, router, w13, w2, g, u, d, s):
-            return moe.moe_block(x, router, w13, w2, g, u, d, s, 2)
+        def forward(self, x, proj, w13, w2, shared_down):
+            return moe.moe_block(x, proj, w13, w2, shared_down, 2)
 
     args = block_args(6, 32, 5, 16, 16, torch.float32)
     program = torch.export.export(Block(), args)
