@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
