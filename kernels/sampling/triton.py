@@ -1,5 +1,8 @@
 """Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in four launches, no sort of the vocabulary.
 
+`greedy` (every row at temperature 0, chosen by the caller from its run config) is two launches: a chunked
+argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
+
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch, so each pass over a row is spread over many programs (launches that a row
 does not need cost its programs a few loads of partials):
