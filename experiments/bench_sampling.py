@@ -1,18 +1,20 @@
-"""Fused sampling (Triton, kernels/sampling/triton.py) vs the torch sort-based path and torch.argmax, V = 248320.
+"""Fused sampling (kernels/sampling/triton.py) over a family of logit shapes vs torch, V = 248320, CUDA graphs.
 
-Modes: top-k 50 + top-p 0.9, top-p 0.9 only, min-p 0.05 only (temperature 1), and greedy; B in {1, 8, 64, 256};
-fp32 and bf16 logits. Baselines in the same run: a sort + cumsum top-k / top-p / min-p sampler as in HF and vLLM
-(`torch_sort_sample` below, exponential-race draw like vLLM's) for the sampled modes, torch.argmax for greedy.
+Shapes (`make_logits`; the README lists them): "flat" N(0, 1); "llm" (background N(0, 2^2), 64 candidates
+lifted by 20 .. 6: a few tokens carry most of the mass); "peaked" (3 tokens 40 above a N(0, 1) background:
+the mass is in 3 tokens, the 50th largest logit sits in the flat tail); "zipf" (p ~ rank^-1.1 over a random
+permutation); "ties" (N(0, 2^2) rounded to integers: thousands of exact ties at every cut); "masked" (99 % of
+the vocabulary at -inf, the rest llm-like); "llm_T0.05" / "llm_T5" (llm rows at temperature 0.05 / 5).
+Modes: top-k 50 + top-p 0.9 (the target mode) on every shape; top-k 1 / 1000 / V, top-p 0.5 / 0.95 / 0.999,
+min-p 0.05 alone on "llm" (typical) and "flat" (the widest kept sets) at B = 1 and 256; greedy through
+`fused.greedy` against torch.argmax. B in {1, 8, 64, 256}; fp32 logits, and bf16 for the target mode and greedy.
 
-Logits: "llm" rows are shaped like a language model's (background N(0, 2^2) over the vocabulary, 64 candidates
-lifted by 20 .. 6: a few tokens carry most of the mass); "flat" rows (N(0, 1), every token plausible) are run
-for the sampled modes to show the data dependence: there top-p keeps ~V tokens, more than the kernel's gather
-buffer, and the kernel takes its exact multi-pass bisection fallback. Targets apply to "llm" rows.
+Before timing, every case is checked on the GPU: greedy and top-k 1 tokens equal the argmax, sampled tokens lie
+in the kept set of the float64 reference filter (kernels/sampling/naive.py). A failed check aborts (exit 1).
 
-Each call is timed inside one CUDA graph of many calls (the decode step is captured, so launch overhead is
-excluded) on inputs rotated over > 200 MB so that the logits come from HBM, not L2. The copy ceiling is
-measured in the same run: floor_us = logits bytes / copy bandwidth (read + write GB/s, so a read-only stream
-could be up to 2x faster than this floor suggests).
+Each call is timed inside one CUDA graph of many calls on inputs rotated over > 200 MB (logits come from HBM,
+not L2); the copy ceiling is measured in the same run. The JSON reports per B the typical ("llm") and the
+worst shape of the target mode, and every target met / missed with the factor.
 
     PYTHONPATH=. python experiments/bench_sampling.py [--out results/bench_sampling.json] [--quick]
     TRITON_INTERPRET=1 PYTHONPATH=. python experiments/bench_sampling.py --vocab 256 --quick --out /tmp/b.json
@@ -21,33 +23,63 @@ could be up to 2x faster than this floor suggests).
 
 import argparse
 import math
+import sys
 import time
 
 import torch
 from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, print_targets, target, time_calls, write_json
 
+from kernels.sampling import naive
 from kernels.sampling import triton as fused
 
 VOCAB = 248_320
 BATCHES = (1, 8, 64, 256)
-MODES = {  # name -> (temperature, top_k, top_p, min_p)
-    "topk50_topp0.9": (1.0, 50, 0.9, 0.0),
-    "topp0.9": (1.0, 0, 0.9, 0.0),
-    "minp0.05": (1.0, 0, 1.0, 0.05),
-    "greedy": (0.0, 0, 1.0, 0.0),
+TARGET_MODE = "topk50_topp0.9"
+MODES = {  # name -> (top_k, top_p, min_p); temperature comes with the shape
+    TARGET_MODE: (50, 0.9, 0.0),
+    "topk1": (1, 1.0, 0.0),
+    "topk1000": (1000, 1.0, 0.0),
+    "topkV": (VOCAB, 1.0, 0.0),
+    "topp0.5": (0, 0.5, 0.0),
+    "topp0.95": (0, 0.95, 0.0),
+    "topp0.999": (0, 0.999, 0.0),
+    "minp0.05": (0, 1.0, 0.05),
 }
-TARGET_US = {1: 20.0, 256: 150.0}  # top-k 50 + top-p 0.9 (torch sort path on this H200: 349 us / 6975 us)
+SHAPES = {"flat": 1.0, "llm": 1.0, "peaked": 1.0, "zipf": 1.0, "ties": 1.0, "masked": 1.0, "llm_T0.05": 0.05}
+SHAPES["llm_T5"] = 5.0  # shape -> temperature
+TARGET_US = {1: (20.0, 40.0), 256: (150.0, 300.0)}  # B -> (typical, worst) for the target mode, fp32
 GREEDY_VS_ARGMAX = 1.2
+BF16_VS_FP32 = 1.2
+RUNTIME_S = 180.0
+GRAPH_US = 30_000  # calls per CUDA graph: at most this much work (the runtime stays < 3 min on slow cases)
 
 
-def make_logits(B: int, V: int, kind: str, dtype, device: str, seed: int) -> torch.Tensor:
+def make_logits(B: int, V: int, shape: str, dtype, device: str, seed: int) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
+    kind = shape.split("_")[0]
     if kind == "flat":
-        return torch.randn(B, V, device=device, generator=g).to(dtype)
-    logits = torch.randn(B, V, device=device, generator=g) * 2
-    lift = torch.linspace(20, 6, 64, device=device)
-    cand = torch.randint(0, V, (B, 64), device=device, generator=g)
-    return logits.scatter_add_(1, cand, lift.expand(B, -1)).to(dtype)
+        x = torch.randn(B, V, device=device, generator=g)
+    elif kind in ("llm", "masked"):
+        x = torch.randn(B, V, device=device, generator=g) * 2
+        cand = torch.randint(0, V, (B, 64), device=device, generator=g)
+        x.scatter_add_(1, cand, torch.linspace(20, 6, 64, device=device).expand(B, -1))
+        if kind == "masked":  # keep the candidates and 1 % of the rest
+            keep = torch.rand(B, V, device=device, generator=g) < 0.01
+            keep.scatter_(1, cand, True)
+            x = x.masked_fill(~keep, float("-inf"))
+    elif kind == "peaked":
+        x = torch.randn(B, V, device=device, generator=g)
+        x.scatter_add_(
+            1, torch.randint(0, V, (B, 3), device=device, generator=g), torch.full((B, 3), 40.0, device=device)
+        )
+    elif kind == "zipf":
+        rank = torch.rand(B, V, device=device, generator=g).argsort(-1).float() + 1
+        x = -1.1 * rank.log()
+    elif kind == "ties":
+        x = (torch.randn(B, V, device=device, generator=g) * 2).round()
+    else:
+        raise ValueError(shape)
+    return x.to(dtype)
 
 
 def torch_sort_sample(logits, temperature, top_k, top_p, min_p):
@@ -65,36 +97,106 @@ def torch_sort_sample(logits, temperature, top_k, top_p, min_p):
     return order.gather(1, drawn[:, None])[:, 0]
 
 
-def baseline_us(rows: list[dict], row: dict) -> float | None:
-    """The baseline's time for the case of `row` (torch.argmax for greedy, else the torch sort path)."""
-    impl = "torch.argmax" if row["mode"] == "greedy" else "torch_sort"
-    case = ("mode", "B", "dtype", "logits")
-    return next((r["us"] for r in rows if r["impl"] == impl and all(r[k] == row[k] for k in case)), None)
+def check(mode: str, logits, tokens, temperature, top_k, top_p, min_p) -> str | None:
+    """None if the tokens are right: argmax for greedy / top-k 1, else in the float64 kept set."""
+    if mode in ("greedy", "topk1"):
+        ok = torch.equal(tokens, naive.greedy(logits))
+    else:
+        probs = torch.softmax(logits.double() / temperature.double()[:, None], -1)
+        keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+        ok = bool(((tokens >= 0) & keep[torch.arange(len(tokens), device=tokens.device), tokens.clamp(min=0)]).all())
+    return None if ok else f"{mode}: tokens {tokens[:8].tolist()} not in the reference's kept set / argmax"
 
 
-def bench_row(mode: str, B: int, V: int, dtype, kind: str, device: str) -> list[dict]:
-    temperature, top_k, top_p, min_p = MODES[mode]
+def eager_us(fn, x) -> float:
+    """One eager call's µs after a warm-up: slow cases get fewer calls per graph (they do not fit in L2 anyway)."""
+    fn(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6
+
+
+def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseline: bool) -> list[dict]:
     nbytes = B * V * dtype.itemsize
     copies = min(200, math.ceil(L2_FLUSH_BYTES / nbytes)) if device == "cuda" else 1
     n = max(copies, 4) if device == "cuda" else 1
-    inputs = [make_logits(B, V, kind, dtype, device, seed=i) for i in range(copies)]
+    inputs = [make_logits(B, V, shape, dtype, device, seed=i) for i in range(copies)]
     full = lambda v, dt: torch.full((B,), v, dtype=dt, device=device)
-    params = (full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32))
+    top_k, top_p, min_p = MODES.get(mode, (0, 1.0, 0.0))
+    temperature = 0.0 if mode == "greedy" else SHAPES[shape]
+    params = (full(temperature, torch.float32), full(min(top_k, V), torch.int64), full(top_p, torch.float32))
     params += (full(min_p, torch.float32),)
     seed, step = full(0, torch.int64), torch.arange(B, device=device)
-    impls = {"triton": lambda x: fused.sample(x, *params, seed, step)}
     if mode == "greedy":
-        impls["torch.argmax"] = lambda x: x.argmax(-1)
+        impls = {"triton": fused.greedy}
+        if baseline:
+            impls["torch.argmax"] = lambda x: x.argmax(-1)
     else:
-        impls["torch_sort"] = lambda x: torch_sort_sample(x, *params[:4])
+        impls = {"triton": lambda x: fused.sample(x, *params, seed, step)}
+        if baseline:
+            impls["torch_sort"] = lambda x: torch_sort_sample(x, *params)
+    error = check(mode, inputs[0], impls["triton"](inputs[0]), *params)
+    if error:
+        sys.exit(f"correctness check failed before timing ({shape}, B={B}, {dtype}): {error}")
     rows = []
     for impl, fn in impls.items():
-        us, method = time_calls(lambda i, fn=fn: fn(inputs[i % copies]), n, device)
+        calls = n if device != "cuda" else min(n, max(4, int(GRAPH_US / eager_us(fn, inputs[0]))))
+        us, method = time_calls(lambda i, fn=fn: fn(inputs[i % copies]), calls, device)
         rows.append(
-            {"mode": mode, "B": B, "dtype": str(dtype).removeprefix("torch."), "logits": kind, "impl": impl}
+            {"mode": mode, "B": B, "dtype": str(dtype).removeprefix("torch."), "logits": shape, "impl": impl}
             | {"us": us, "timing": method, "logits_MB": nbytes / 1e6}
         )
     return rows
+
+
+def cases(batches):
+    """(mode, shape, B, dtype, baseline?) in the order they run."""
+    for B in batches:
+        for dtype in (torch.float32, torch.bfloat16):
+            yield "greedy", "llm", B, dtype, True
+            for shape in SHAPES if dtype == torch.float32 else ("llm", "flat"):
+                yield TARGET_MODE, shape, B, dtype, shape == "llm"
+        if B in (1, 256):
+            for mode in MODES:
+                if mode != TARGET_MODE:
+                    for shape in ("llm", "flat"):
+                        yield mode, shape, B, torch.float32, False
+
+
+def find(rows, **key):
+    return next((r for r in rows if all(r[k] == v for k, v in key.items())), None)
+
+
+def summarise(rows, batches):
+    """Per B: typical (llm) and worst shape of the target mode (fp32), and the target rows."""
+    summary, targets = {}, []
+    for B in batches:
+        mine = [r for r in rows if r["impl"] == "triton" and r["mode"] == TARGET_MODE and r["B"] == B]
+        fp32 = [r for r in mine if r["dtype"] == "float32"]
+        typical, worst = find(fp32, logits="llm"), max(fp32, key=lambda r: r["us"])
+        greedy, argmax = find(rows, mode="greedy", B=B, dtype="float32", impl="triton"), None
+        argmax = find(rows, mode="greedy", B=B, dtype="float32", impl="torch.argmax")
+        sort = find(rows, mode=TARGET_MODE, B=B, dtype="float32", logits="llm", impl="torch_sort")
+        summary[B] = {
+            "typical_us": typical["us"],
+            "worst_us": worst["us"],
+            "worst_shape": worst["logits"],
+            "torch_sort_us": sort["us"],
+            "greedy_us": greedy["us"],
+            "argmax_us": argmax["us"],
+        }
+        if B in TARGET_US:
+            typ, wst = TARGET_US[B]
+            targets.append(target(f"{TARGET_MODE} B={B} fp32 typical (llm) us", typical["us"], typ, True))
+            targets.append(target(f"{TARGET_MODE} B={B} fp32 worst ({worst['logits']}) us", worst["us"], wst, True))
+            targets.append(target(f"greedy B={B} fp32: triton / torch.argmax", greedy["us"] / argmax["us"], 1.2, True))
+        for shape in ("llm", "flat"):
+            bf16 = find(mine, dtype="bfloat16", logits=shape)
+            ratio = bf16["us"] / find(fp32, logits=shape)["us"]
+            targets.append(target(f"{TARGET_MODE} B={B} {shape}: bf16 / fp32", ratio, BF16_VS_FP32, True))
+    return summary, targets
 
 
 def main():
@@ -105,40 +207,38 @@ def main():
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V = args.vocab
+    batches = (1, 256) if args.quick else BATCHES
     start = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for B in (1, 256) if args.quick else BATCHES:
-            for mode in MODES:
-                rows += bench_row(mode, B, V, dtype, "llm", device)
-                if mode != "greedy" and B in (1, 256):
-                    rows += [r for r in bench_row(mode, B, V, dtype, "flat", device) if r["impl"] == "triton"]
+    for mode, shape, B, dtype, baseline in cases(batches):
+        rows += bench_case(mode, shape, B, V, dtype, device, baseline)
     for r in rows:
         r["floor_us"] = r["logits_MB"] * 1e3 / copy_gbs  # one read of the logits at the copy rate
-        baseline = baseline_us(rows, r)
-        if r["impl"] == "triton" and baseline is not None:
-            r["speedup_vs_baseline"] = baseline / r["us"]
-    targets = []
-    for r in rows:
-        if r["logits"] != "llm" or r["impl"] != "triton":
-            continue
-        mode, B, dt, us, baseline = r["mode"], r["B"], r["dtype"], r["us"], baseline_us(rows, r)
-        if mode == "greedy":
-            targets.append(target(f"greedy B={B} {dt}: triton / torch.argmax", us / baseline, GREEDY_VS_ARGMAX, True))
-        elif mode == "topk50_topp0.9" and B in TARGET_US:
-            targets.append(target(f"top-k 50 + top-p 0.9 B={B} {dt}: triton us", us, TARGET_US[B], True))
+    summary, targets = summarise(rows, batches)
     seconds = time.perf_counter() - start
-    targets.append(target("benchmark runtime s", seconds, 60.0, True))
-    write_json(args.out, "bench_sampling", device, V=V, copy_gbs=copy_gbs, rows=rows, targets=targets, seconds=seconds)
+    targets.append(target("benchmark runtime s", seconds, RUNTIME_S, True))
+    write_json(
+        args.out, "bench_sampling", device, V=V, copy_gbs=copy_gbs, per_batch=summary, rows=rows, targets=targets,
+        seconds=seconds, checked="greedy / top-k 1 == argmax, sampled tokens in the float64 kept set",
+    )  # fmt: skip
 
     print(f"V = {V} on {device}, copy ceiling {copy_gbs:.0f} GB/s; us per call (CUDA graph, logits from HBM)")
-    print(f"{'mode':>15} {'B':>4} {'dtype':>9} {'logits':>6} {'triton':>9} {'baseline':>9} {'speedup':>8} {'floor':>7}")
+    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7}")
     for r in (r for r in rows if r["impl"] == "triton"):
-        base = baseline_us(rows, r)
-        base_s, speed = (f"{base:9.1f}", f"{base / r['us']:7.1f}x") if base is not None else (f"{'-':>9}", f"{'-':>8}")
-        head = f"{r['mode']:>15} {r['B']:>4} {r['dtype']:>9} {r['logits']:>6}"
-        print(f"{head} {r['us']:9.1f} {base_s} {speed} {r['floor_us']:7.1f}")
+        base = next(
+            (b for b in rows if b["impl"] != "triton" and all(b[k] == r[k] for k in ("mode", "B", "dtype", "logits"))),
+            None,
+        )
+        base_s = f"{base['us']:9.1f}" if base else f"{'-':>9}"
+        print(
+            f"{r['mode']:>15} {r['logits']:>10} {r['B']:>4} {r['dtype']:>9}",
+            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f}",
+        )
+    print(f"{'B':>4} {'typical':>9} {'worst':>9} {'(shape)':>10} {'torch sort':>10} {'greedy':>8} {'argmax':>8}")
+    for B, s in summary.items():
+        print(f"{B:>4} {s['typical_us']:9.1f} {s['worst_us']:9.1f} {s['worst_shape']:>10} {s['torch_sort_us']:10.1f} "
+              f"{s['greedy_us']:8.1f} {s['argmax_us']:8.1f}")  # fmt: skip
     print_targets(targets)
     print(f"-> {args.out} ({seconds:.0f} s)")
 

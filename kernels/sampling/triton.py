@@ -1,5 +1,8 @@
 """Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in four launches, no sort of the vocabulary.
 
+`greedy` (every row at temperature 0, chosen by the caller from its run config) is two launches: a chunked
+argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
+
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch, so each pass over a row is spread over many programs (launches that a row
 does not need cost its programs a few loads of partials):
@@ -33,12 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels
 from kernels.sampling.naive import INVALID_TOKEN
 
 # Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
 LOG2E = tl.constexpr(1.4426950408889634)
 INVALID = tl.constexpr(INVALID_TOKEN)
 SPLIT_MAX = 64  # programs per row, at most
+GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
 @triton.jit
@@ -446,6 +451,100 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     return out
 
 
+@triton.jit(do_not_specialize=["B", "split", "chunk_len"])
+def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, split, chunk_len,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    """Greedy pass 1, program (chunk, row): the chunk's max (NaN if it holds a NaN) and its lowest index."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32) + V
+    nan_seen = tl.zeros((BLOCK,), tl.int32)
+    start = chunk * chunk_len
+    for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        nan_seen |= (x != x).to(tl.int32)
+        up = x > best  # strict: a slot keeps its earliest index on ties; NaN never moves it
+        best_idx = tl.where(up, cols, best_idx)
+        best = tl.where(up, x, best)
+    m = tl.max(best, 0)
+    idx = tl.min(tl.where(best == m, best_idx, V), 0)
+    part = row * split + chunk
+    tl.store(part_max_ptr + part, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m))
+    tl.store(part_idx_ptr + part, idx)
+
+
+@triton.jit(do_not_specialize=["B", "split"])
+def _combine_argmax_kernel(part_max_ptr, part_idx_ptr, out_ptr, B, split, R: tl.constexpr, SPLIT: tl.constexpr):
+    """Greedy pass 2: the chunks' maxima of R rows -> the lowest index of the row max, INVALID for a row with a
+    NaN or only -inf."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    sp = tl.arange(0, SPLIT)
+    pm = (rows < B)[:, None] & (sp < split)[None, :]
+    parts = rows[:, None] * split + sp[None, :]  # [R, SPLIT]
+    ms = tl.load(part_max_ptr + parts, mask=pm, other=float("-inf"))
+    has_nan = tl.max((ms != ms).to(tl.int32), 1) > 0
+    m = tl.max(tl.where(ms != ms, float("-inf"), ms), 1)
+    idx = tl.min(tl.where(ms == m[:, None], tl.load(part_idx_ptr + parts, mask=pm, other=2**31 - 1), 2**31 - 1), 1)
+    token = tl.where(has_nan | (m == float("-inf")), INVALID, idx.to(tl.int64))
+    tl.store(out_ptr + rows, token, mask=rows < B)
+
+
+def launch_greedy(logits: torch.Tensor, block: int | None = None, split: int | None = None) -> torch.Tensor:
+    """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in two launches -> int64 [B].
+
+    The row is cut into `split` chunks (~2048 programs in all on the GPU, like the sampler) so that B = 1
+    spreads over every SM; the second launch reduces <= SPLIT_MAX partials per row."""
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    if block is None:
+        block = min(2048, triton.next_power_of_2(V))
+    if split is None:
+        split = min(GREEDY_SPLIT_MAX, triton.cdiv(2048, B), triton.cdiv(V, block)) if logits.is_cuda else 1
+    chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
+    part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
+    num_warps = 8 if logits.is_cuda else 1
+    _chunk_argmax_kernel[(split, B)](
+        logits, logits.stride(0), B, V, part_max, part_idx, split, chunk_len, BLOCK=block, num_warps=num_warps
+    )
+    rows = 16 if logits.is_cuda else min(triton.next_power_of_2(B), 64)
+    _combine_argmax_kernel[(triton.cdiv(B, rows),)](
+        part_max,
+        part_idx,
+        out,
+        B,
+        split,
+        R=rows,
+        SPLIT=triton.next_power_of_2(split),
+        num_warps=4 if logits.is_cuda else 1,
+    )
+    return out
+
+
+@torch.library.custom_op("qmoe::greedy", mutates_args=())
+def greedy_op(logits: torch.Tensor) -> torch.Tensor:
+    return launch_greedy(logits)
+
+
+@greedy_op.register_fake
+def _(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """sample() when every row has temperature <= 0, in two launches: logits [B, V] -> int64 [B].
+
+    The caller chooses it from its run config (the parameters are device tensors: the kernel cannot know that
+    all rows are greedy without a host sync); `sample` stays right for any mix of greedy and sampled rows."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    return greedy_op(logits) if kernels.tracing() else launch_greedy(logits)
+
+
 @torch.library.custom_op("qmoe::sample", mutates_args=())
 def sample_op(
     logits: torch.Tensor,
@@ -473,7 +572,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor
             return x.to(device=logits.device, dtype=dtype).expand(B)
         return torch.full((B,), x, dtype=dtype, device=logits.device)  # a fill kernel: capturable, no copy
 
-    return sample_op(
+    op = sample_op if kernels.tracing() else launch  # the custom op only where a tracer needs its fake
+    return op(
         logits if logits.stride(-1) == 1 else logits.contiguous(),  # rows may share storage (stride 0)
         per_row(temperature, torch.float32),
         per_row(top_k, torch.int64),

@@ -156,6 +156,68 @@ def test_greedy_is_argmax_lowest_index(B, V, block, dtype):
     assert torch.equal(naive.sample(logits, temperature, 0, 1.0, 0.0, 0, 0), ref)
 
 
+@pytest.mark.parametrize(
+    "B, V, block, split, dtype",
+    [
+        (3, 1, None, None, torch.float32),  # a single token
+        (7, 1000, 64, 5, torch.float32),  # 5 chunks of 4 blocks, ties across chunks, a tail of 40
+        (5, 77, 16, 8, torch.float16),  # 8 chunks of one block: the last ones wholly past V
+        (4, 100, 32, 3, torch.bfloat16),  # bf16 logits (no tl.dot: fine in the interpreter)
+    ],
+)
+def test_greedy_entry_point_is_argmax_lowest_index(B, V, block, split, dtype):
+    torch.manual_seed(1)
+    logits = (torch.randn(B, V) * 2).round().to(dtype)  # many ties, also across chunks
+    if V > 1:
+        logits[0, -1] = logits[0].max()  # the max also at the last token: the first one must win
+    out = poisoned(B, dtype=torch.float64)
+    out[:] = fused.launch_greedy(logits, block=block, split=split)
+    ref = torch.stack([(row == row.max()).nonzero()[0, 0] for row in logits.float()])
+    assert torch.equal(out.long(), ref)
+    assert torch.equal(fused.greedy(logits), ref)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_greedy_entry_point_special_rows(split):
+    V = 40
+    logits = torch.randn(6, V)
+    logits[0, 33] = float("nan")  # NaN in a later chunk than the max -> INVALID_TOKEN
+    logits[1, :] = float("-inf")  # nothing drawable -> INVALID_TOKEN
+    logits[2, [25, 9]] = float("inf")  # first +inf wins, across chunks
+    logits[3, 7] = float("inf")
+    logits[3, 2] = float("nan")  # NaN beats +inf: still invalid
+    logits[4, : V - 1] = float("-inf")  # only the last token is finite
+    out = fused.launch_greedy(logits, block=8, split=split)
+    assert torch.equal(out, naive.greedy(logits))
+    assert out.tolist()[:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 9, naive.INVALID_TOKEN, V - 1]
+
+
+def test_mixed_greedy_and_sampled_rows():
+    # sample() stays the general path: greedy rows of a mixed batch give the greedy entry point's tokens, the
+    # sampled rows stay in their kept sets and are not all the argmax
+    B, V = 64, 50
+    logits, _, top_k, top_p, min_p = random_rows(B, V, seed=4)
+    temperature = torch.where(torch.arange(B) % 2 == 0, 0.0, 3.0)
+    out = fused.sample(logits, temperature, top_k, top_p, min_p, 9, torch.arange(B))
+    greedy = temperature == 0
+    assert torch.equal(out[greedy], fused.greedy(logits)[greedy])
+    probs = torch.softmax(logits.double() / 3.0, -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    assert keep[~greedy, out[~greedy]].all()
+    assert (out[~greedy] != logits[~greedy].argmax(-1)).any()
+
+
+def test_greedy_torch_export():
+    class Greedy(torch.nn.Module):
+        def forward(self, logits):
+            return fused.greedy(logits)
+
+    logits = torch.randn(3, 70)
+    ep = torch.export.export(Greedy(), (logits,))
+    assert any("qmoe.greedy" in str(node.target) for node in ep.graph.nodes)
+    assert torch.equal(ep.module()(logits), logits.argmax(-1))
+
+
 @pytest.mark.parametrize("top_k, top_p, min_p", [(1, 1.0, 0.0), (0, 1e-6, 0.0), (0, 1.0, 1.0), (1, 0.5, 0.5)])
 def test_cut_to_the_max_is_argmax(top_k, top_p, min_p):
     torch.manual_seed(0)
@@ -356,6 +418,21 @@ def test_gpu_cuda_graph_replay_with_new_parameters():
         step += 1
         graph.replay()
         assert torch.equal(out, fused.sample(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B", [1, 3, 256])
+def test_gpu_greedy_entry_point(B, dtype):
+    logits = (llm_like_logits(B, V_FULL, "cuda", dtype) * 4).round()  # exact ties across chunks
+    assert torch.equal(fused.greedy(logits), naive.greedy(logits))
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = fused.greedy(logits)
+    logits.copy_(llm_like_logits(B, V_FULL, "cuda", dtype, seed=5))
+    logits[0, 7] = float("nan")
+    graph.replay()
+    assert torch.equal(out, naive.greedy(logits)) and out[0] == naive.INVALID_TOKEN
 
 
 def test_naive_greedy_equals_sample_at_temperature_zero():
