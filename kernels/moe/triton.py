@@ -1,24 +1,31 @@
-"""Triton MoE block: router (softmax + top-k), routed-expert SwiGLU FFN as a grouped GEMM, gated shared expert.
+"""Triton MoE block: routing (softmax + top-k) from the fused input projection, routed SwiGLU experts, gated shared
+expert, and the combine -- all from `proj`, the block's one dense GEMV (router | shared gate | shared up | gate logit).
 
-Shapes: M tokens, H hidden, E experts, I expert intermediate, K experts per token, P = M * K (token, expert) pairs.
+Shapes: M tokens, H hidden, E experts, I expert intermediate, Is shared intermediate, K experts per token,
+P = M * K (token, expert) pairs. Every program that does an expert's work owns one expert and all its pairs in
+this call, so each selected expert's weight tile is streamed once.
 
-`fused_moe` runs two grouped GEMMs and a deterministic combine:
-  up:    h[p]       = silu(x[t] @ gate[e]^T) * (x[t] @ up[e]^T)      (silu * up fused in the epilogue)  [P, I]
-  down:  partial[p] = topk_weight[p] * h[p] @ w2[e]^T                                                 [P, H]
-  out[t]            = sum_k partial[t * K + k]    (fixed order, no atomics: bit-reproducible)           [M, H]
-(The prefill align ranks pairs with atomics, but that order inside an expert's group changes no result.)
-Every program owns one expert and a group of its pairs, so each selected expert's weight tile is read once per
-group. Two ways to form the groups, both without host sync and with shapes that depend only on M, K, E:
-  decode (M <= DECODE_MAX_M): one slot per pair; the slot that holds the first pair of expert e gathers every
-    pair routed to e (an in-register compaction over the P ids) and the other slots of e exit. One launch each
-    for up and down, no sort: the weights of every distinct selected expert are streamed exactly once.
-  prefill: pairs are counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks on
-    device (three tiny kernels); a grid sized for the worst case skips blocks past the padded total, and each
-    block finds its expert from the E group ends (no per-block table to build serially).
+Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
+  up:   program (N tile, pair p = (t, k)) ranks token t's router logits itself and takes its k-th expert e; it
+        then ranks e in every token's logits (one compare pass, no top-k) to find all pairs routed to e. The
+        program of e's first pair computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; the
+        others exit. Program (0, t * K) writes token t's ids/weights for the down kernel; program (0, 0) zeroes
+        the down kernel's arrival counters (scratch allocated per call: no state survives a call).
+  down: program (N tile, slot): slot 0 is the shared expert (all tokens: A = silu(gate) * up read from proj,
+        weight sigmoid(gate logit)), slot 1 + p the pair p (its expert's first pair does the work, as above).
+        Each writes weighted fp32 partials [M, K + 1, H] (k order, shared last), then arrives on its N tile's
+        counter (acq_rel); the last of the P + 1 arrivals sums the tile for every token in k order. Fixed order
+        -> bit-reproducible whatever order the programs ran in.
+  Routing order everywhere: descending logit (softmax is monotonic), ties to the lower expert id, as one int32
+  key (_order_key), so the up kernel's ranks, its top-k and the ids it hands over always agree.
+Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
+  on device (three tiny kernels) -> grouped up and down GEMMs writing [P, H] partials -> a fixed-order sum; the
+  shared expert on cuBLAS. A grid sized for the worst case skips blocks past the padded total.
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
 
+import functools
 import json
 import os
 import re
@@ -28,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels
 from kernels.moe.naive import shared_expert, split_projection
 
-__all__ = ["route", "fused_moe", "shared_expert", "moe_block"]
+__all__ = ["route", "fused_moe", "moe_block"]
 
 DECODE_MAX_M = 64
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -38,7 +46,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIGS = {
     "decode": {
         "BLOCK_M": 16,
-        "up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
     },
     "prefill": {
@@ -47,6 +55,7 @@ DEFAULT_CONFIGS = {
         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     },
 }
+RANK_CHUNK = 16  # tokens ranked per step in the decode up kernel: bounds its [tokens, E] compare tile
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -75,57 +84,89 @@ def load_table() -> dict:
 CONFIG_TABLE = load_table()
 
 
+@functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
     return tuned or DEFAULT_CONFIGS["decode" if M <= DECODE_MAX_M else "prefill"]
 
 
-# ----------------------------------------------------------------------------------------------- router
+# ----------------------------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _order_key(logits):
+    """fp32 -> int32 whose signed order is the float order (NaN above +inf): one total order, shared by the top-k
+    and the rank test, so they agree even on ties, infinities and NaN."""
+    bits = logits.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's top-k experts (descending logit, ties to the lower id) and their softmax probabilities
+    renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0."""
+    offs_e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0).to(tl.float32)
+    keys = tl.where(offs_e < E, _order_key(logits), -2147483648)  # padding below every real key
+    offs_k = tl.arange(0, BLOCK_TOP)
+    ids = tl.zeros([BLOCK_TOP], tl.int32)
+    top = tl.full([BLOCK_TOP], float("-inf"), tl.float32)
+    for k in tl.static_range(TOP_K):  # repeated argmax; a taken expert drops to the padding key
+        idx = tl.argmax(keys, 0)
+        ids = tl.where(offs_k == k, idx, ids)
+        top = tl.where(offs_k == k, tl.sum(tl.where(offs_e == idx, logits, 0.0), 0), top)
+        keys = tl.where(offs_e == idx, -2147483648, keys)
+    # softmax over all E, renormalised over the top k: the full denominator cancels, exp(l - l_max) stays
+    probs = tl.exp(top - tl.max(top, 0))  # lanes >= TOP_K: exp(-inf) = 0
+    return ids, probs / tl.sum(probs, 0)
+
+
+@triton.jit
+def _expert_ranks(
+    proj_ptr, stride_pm, stride_pe, M, E, expert,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_T: tl.constexpr,
+):  # fmt: skip
+    """The position of `expert` in each token's top-k order (0 = largest logit) -> [BLOCK_T] int32; tokens >= M
+    get E. One compare pass over every token's E logits: rank < K is exactly "routed to expert"."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    ranks = tl.zeros([BLOCK_T], tl.int32)
+    for t0 in tl.static_range(0, BLOCK_T, CHUNK_T):
+        rows = t0 + tl.arange(0, CHUNK_T)
+        valid = (rows < M)[:, None] & (offs_e < E)[None, :]
+        ptrs = proj_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_e[None, :] * stride_pe
+        keys = _order_key(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))  # [CHUNK_T, BLOCK_E]
+        mine = tl.sum(tl.where(offs_e[None, :] == expert, keys, 0), 1)  # [CHUNK_T]
+        ahead = (keys > mine[:, None]) | ((keys == mine[:, None]) & (offs_e[None, :] < expert))
+        chunk = tl.sum((ahead & valid).to(tl.int32), 1)  # [CHUNK_T]
+        ranks += tl.sum(tl.where(offs_t[:, None] == rows[None, :], chunk[None, :], 0), 1)  # scatter into [BLOCK_T]
+    return tl.where(offs_t < M, ranks, E)
 
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr
-):
+    logits_ptr, weights_ptr, ids_ptr, stride_lm, stride_le, E,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + row * E + offs_e, mask=offs_e < E, other=-float("inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, 0))
-    probs = probs / tl.sum(probs, 0)
+    ids, weights = _token_topk(logits_ptr + row * stride_lm, stride_le, E, TOP_K, BLOCK_TOP, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_TOP)
-    top_w = tl.zeros(offs_k.shape, tl.float32)
-    top_ids = tl.zeros(offs_k.shape, tl.int64)
-    for k in tl.static_range(TOP_K):  # top-k by repeated argmax; probabilities are >= 0, taken ones become -1
-        idx = tl.argmax(probs, 0)
-        top_w = tl.where(offs_k == k, tl.max(probs, 0), top_w)
-        top_ids = tl.where(offs_k == k, idx.to(tl.int64), top_ids)
-        probs = tl.where(offs_e == idx, -1.0, probs)
-    top_w = top_w / tl.sum(top_w, 0)
-    tl.store(weights_ptr + row * TOP_K + offs_k, top_w, mask=offs_k < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + offs_k, top_ids, mask=offs_k < TOP_K)
-
-
-@torch.library.custom_op("qmoe::moe_route", mutates_args=())
-def _route_op(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = router_logits.contiguous()
-    M, E = logits.shape
-    weights = torch.empty(M, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
-    if M:
-        BLOCK_TOP, BLOCK_E = triton.next_power_of_2(top_k), triton.next_power_of_2(E)
-        _route_kernel[(M,)](logits, weights, ids, E, TOP_K=top_k, BLOCK_TOP=BLOCK_TOP, BLOCK_E=BLOCK_E)
-    return weights, ids
-
-
-@_route_op.register_fake
-def _(router_logits, top_k):
-    M = router_logits.shape[0]
-    return router_logits.new_empty(M, top_k, dtype=torch.float32), router_logits.new_empty(M, top_k, dtype=torch.int64)
+    tl.store(weights_ptr + row * TOP_K + offs_k, weights, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + offs_k, ids.to(tl.int64), mask=offs_k < TOP_K)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts in fp32, top-k, renormalised to sum 1 -> (weights [M, K] fp32, ids [M, K] int64)."""
-    return _route_op(router_logits, top_k)
+    """Softmax over all experts in fp32, top-k, renormalised to sum 1 -> (weights [M, K] fp32, ids [M, K] int64).
+    router_logits may be a strided view (the router columns of proj)."""
+    M, E = router_logits.shape
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(M, top_k, dtype=torch.int64, device=router_logits.device)
+    if M:
+        _route_kernel[(M,)](
+            router_logits, weights, ids, *router_logits.stride(), E,
+            TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        )  # fmt: skip
+    return weights, ids
 
 
 # ----------------------------------------------------------------------------------------------- align (prefill)
@@ -179,7 +220,7 @@ def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
     return sorted_pairs, ends
 
 
-# ----------------------------------------------------------------------------------------------- grouped GEMMs
+# ----------------------------------------------------------------------------------------------- GEMM tiles
 
 
 @triton.jit
@@ -188,39 +229,6 @@ def _dot(a, b, acc):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _decode_slot(ids_ptr, slot, P, P_BLOCK: tl.constexpr):
-    """The expert of pair `slot`, which of the P pairs share it, their ranks, their count, and whether
-    `slot` is the first of them (the one program that does the expert's work)."""
-    offs_p = tl.arange(0, P_BLOCK)
-    all_ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # [P_BLOCK]
-    expert = tl.load(ids_ptr + slot)
-    match = all_ids == expert
-    first = tl.min(tl.where(match, offs_p, P_BLOCK), 0)
-    pos = tl.cumsum(match.to(tl.int32), 0) - 1
-    return expert, match, pos, tl.sum(match.to(tl.int32), 0), first == slot
-
-
-@triton.jit
-def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Block `block` of the aligned pairs -> (its expert, pair ids [BLOCK_M], row mask, whether it holds pairs).
-    Its expert is the number of experts whose padded group ends at or before the block's first row."""
-    offs_e = tl.arange(0, BLOCK_E)
-    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2**30)
-    row0 = block * BLOCK_M
-    expert = tl.sum((ends <= row0).to(tl.int32), 0)
-    pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
-    return expert, pairs, pairs < P, row0 < tl.load(ends_ptr + E - 1)
-
-
-@triton.jit
-def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
-    """Pairs r0 .. r0 + BLOCK_M of the matching ones, compacted into rows -> (pair ids [BLOCK_M], row mask)."""
-    sel = match[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, P_BLOCK]
-    pairs = tl.sum(tl.where(sel, tl.arange(0, P_BLOCK)[None, :], 0), 1)
-    return pairs, tl.sum(sel.to(tl.int32), 1) > 0
 
 
 @triton.jit
@@ -244,8 +252,8 @@ def _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K: tl.const
 
 
 @triton.jit
-def _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K: tl.constexpr):
-    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T for one expert (w_ptr at its [H, I] matrix)."""
+def _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K: tl.constexpr):
+    """h[pairs] @ w2^T for one expert (w_ptr at its [H, I] matrix) -> [BLOCK_M, BLOCK_N] fp32."""
     rows = pairs.to(tl.int64)
     n_mask = offs_n < H
     acc = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
@@ -255,89 +263,251 @@ def _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I
         a = tl.load(h_ptr + rows[:, None] * I + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _dot(a, w, acc)
-    scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
-    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
+    return acc
 
 
 @triton.jit
-def _moe_up_kernel(
-    x_ptr, w13_ptr, h_ptr, ids_ptr, sorted_ptr, ends_ptr, P, E, H, I,
-    TOP_K: tl.constexpr, DECODE: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, BLOCK_K: tl.constexpr):
+    """(silu(gate) * up)[tokens] @ shared_down^T -> [BLOCK_M, BLOCK_N] fp32; gate and up are proj's columns
+    E .. E + Is and E + Is .. E + 2 Is, rounded like the torch path (silu, then the product, in proj's dtype)."""
+    row_ptr = proj_ptr + tokens.to(tl.int64)[:, None] * stride_pm
+    n_mask = offs_n < H
+    acc = tl.zeros((tokens.shape[0], offs_n.shape[0]), tl.float32)
+    for k0 in range(0, IS, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < IS
+        a_mask = row_mask[:, None] & k_mask[None, :]
+        gate = tl.load(row_ptr + (E + offs_k)[None, :] * stride_pe, mask=a_mask, other=0.0)
+        up = tl.load(row_ptr + (E + IS + offs_k)[None, :] * stride_pe, mask=a_mask, other=0.0)
+        gate = gate.to(tl.float32)
+        a = (gate * tl.sigmoid(gate)).to(up.dtype) * up
+        w = tl.load(w_ptr + offs_n[None, :] * IS + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a.to(w.dtype), w, acc)
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------- decode (M <= 64)
+
+
+@triton.jit
+def _moe_up_decode_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK_T: tl.constexpr, BLOCK_COUNTERS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Axis 0 walks N tiles of one group, so neighbouring programs share the group's activations.
+    # Axis 0 walks N tiles of one pair, so neighbouring programs share its logits and activations in L2.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.program_id(1)
-    if DECODE:
-        expert, match, pos, count, owner = _decode_slot(ids_ptr, slot, P, P_BLOCK)
-        if owner:
-            w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-            for r0 in range(0, count, BLOCK_M):
-                pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
-                _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
-    else:
-        expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, slot, E, P, BLOCK_M, BLOCK_E)
-        if used:
-            w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+    token, k = slot // TOP_K, slot % TOP_K
+    top_ids, top_weights = _token_topk(
+        proj_ptr + token.to(tl.int64) * stride_pm, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E
+    )
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (tl.program_id(0) == 0) & (k == 0):  # one program per token hands its routing to the down kernel
+        tl.store(weights_ptr + token * TOP_K + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + token * TOP_K + offs_top, top_ids, mask=offs_top < TOP_K)
+        if token == 0:  # the down kernel's arrival counters (ids_ptr + P), zeroed before it starts
+            offs_c = tl.arange(0, BLOCK_COUNTERS)
+            tl.store(ids_ptr + M * TOP_K + offs_c, tl.zeros([BLOCK_COUNTERS], tl.int32), mask=offs_c < NUM_COUNTERS)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    ranks = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)  # [BLOCK_T]
+    routed = ranks < TOP_K
+    offs_t = tl.arange(0, BLOCK_T)
+    if tl.min(tl.where(routed, offs_t, BLOCK_T), 0) == token:  # the expert's first token does its work
+        w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+        pos = tl.cumsum(routed.to(tl.int32), 0) - 1
+        for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
+            sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
+            pairs = tl.sum(tl.where(sel, offs_t[None, :] * TOP_K + ranks[None, :], 0), 1)
+            row_mask = tl.sum(sel.to(tl.int32), 1) > 0
             _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
 
 
 @triton.jit
-def _moe_down_kernel(
-    h_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, ends_ptr, P, E, H, I,
-    DECODE: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _decode_slot(ids_ptr, slot, P, P_BLOCK: tl.constexpr):
+    """The expert of pair `slot`, which of the P pairs share it, their ranks, their count, and whether
+    `slot` is the first of them (the one program that does the expert's work)."""
+    offs_p = tl.arange(0, P_BLOCK)
+    all_ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # [P_BLOCK]
+    expert = tl.load(ids_ptr + slot)
+    match = all_ids == expert
+    first = tl.min(tl.where(match, offs_p, P_BLOCK), 0)
+    pos = tl.cumsum(match.to(tl.int32), 0) - 1
+    return expert, match, pos, tl.sum(match.to(tl.int32), 0), first == slot
+
+
+@triton.jit
+def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
+    """Pairs r0 .. r0 + BLOCK_M of the matching ones, compacted into rows -> (pair ids [BLOCK_M], row mask)."""
+    sel = match[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, P_BLOCK]
+    pairs = tl.sum(tl.where(sel, tl.arange(0, P_BLOCK)[None, :], 0), 1)
+    return pairs, tl.sum(sel.to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _moe_down_decode_kernel(
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
+    TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.program_id(1)
-    if DECODE:
-        expert, match, pos, count, owner = _decode_slot(ids_ptr, slot, P, P_BLOCK)
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    slot = tl.program_id(1)  # 0: the shared expert; 1 + p: pair p
+    P = M * TOP_K
+    partials_ptr = weights_ptr + P  # [M, K + 1, H] fp32: routed partials in k order, then the shared one
+    counters_ptr = ids_ptr + P  # [cdiv(H, BLOCK_N)] int32, zeroed by the up kernel
+    if slot == 0:  # first in the grid, so the one program group with M rows starts early
+        for r0 in range(0, M, BLOCK_M):
+            tokens = r0 + tl.arange(0, BLOCK_M)
+            row_mask = tokens < M
+            acc = _shared_acc(
+                proj_ptr, shared_down_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, BLOCK_K
+            )
+            gate_ptrs = proj_ptr + tokens.to(tl.int64) * stride_pm + (E + 2 * IS) * stride_pe
+            scale = tl.sigmoid(tl.load(gate_ptrs, mask=row_mask, other=0.0).to(tl.float32))
+            rows = tokens.to(tl.int64) * (TOP_K + 1) + TOP_K
+            tl.store(
+                partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
+                mask=row_mask[:, None] & n_mask[None, :],
+            )  # fmt: skip
+    else:
+        expert, match, pos, count, owner = _decode_slot(ids_ptr, slot - 1, P, P_BLOCK)
         if owner:
             w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
             for r0 in range(0, count, BLOCK_M):
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
-                _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
-    else:
-        expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, slot, E, P, BLOCK_M, BLOCK_E)
-        if used:
-            w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
-            _down_tile(h_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
+                acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
+                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)
+                rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
+                tl.store(
+                    partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
+                    mask=row_mask[:, None] & n_mask[None, :],
+                )  # fmt: skip
+    # Every program arrives once on its N tile (acq_rel: its partials are visible to whoever sees the count);
+    # the last of the P + 1 sums the tile's partials of every token in k order. The barrier orders all threads'
+    # stores before the one thread's release.
+    tl.debug_barrier()
+    if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == P:
+        for r0 in range(0, M, BLOCK_M):
+            tokens = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            mask = (tokens < M)[:, None] & n_mask[None, :]
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for j in tl.static_range(TOP_K + 1):
+                ptrs = partials_ptr + (tokens * (TOP_K + 1) + j)[:, None] * H + offs_n[None, :]
+                total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # L2, never a stale L1 line
+            tl.store(out_ptr + tokens[:, None] * H + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, decode=None, config=None) -> torch.Tensor:
-    """fused_moe with caller-owned scratch: h [P, I] and partials [P, H] in x's dtype (tests pass NaN-filled ones,
-    so a row the kernels forget reaches the output). decode/config override the choice by M (tests, tuner)."""
+def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
+    """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
+    keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]."""
+    M, H = x.shape
+    P = M * top_k
+    return {
+        "h": x.new_empty(P, I),
+        "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
+        "i32": x.new_empty(P + triton.cdiv(H, config["down"]["BLOCK_N"]), dtype=torch.int32),
+        "out": x.new_empty(M, H),
+    }
+
+
+def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scratch=None) -> torch.Tensor:
+    """The block for M <= DECODE_MAX_M in two launches. config / scratch (decode_scratch's dict) override the
+    tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates)."""
+    M, H = x.shape
+    E, I = w2.shape[0], w2.shape[2]
+    IS = shared_down_proj.shape[1]
+    config = config or get_config(M, E, H, I, x.dtype)
+    scratch = scratch or decode_scratch(x, I, top_k, config)
+    h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
+    x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
+    block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
+    P = M * top_k
+    num_counters = triton.cdiv(H, down["BLOCK_N"])
+    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), P)](
+        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters,
+        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
+        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, **up,
+    )  # fmt: skip
+    _moe_down_decode_kernel[(num_counters, P + 1)](
+        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(),
+        TOP_K=top_k, P_BLOCK=max(16, triton.next_power_of_2(P)), BLOCK_M=block_m, **down,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- prefill (M > 64)
+
+
+@triton.jit
+def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Block `block` of the aligned pairs -> (its expert, pair ids [BLOCK_M], row mask, whether it holds pairs).
+    Its expert is the number of experts whose padded group ends at or before the block's first row."""
+    offs_e = tl.arange(0, BLOCK_E)
+    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2**30)
+    row0 = block * BLOCK_M
+    expert = tl.sum((ends <= row0).to(tl.int32), 0)
+    pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < P, row0 < tl.load(ends_ptr + E - 1)
+
+
+@triton.jit
+def _moe_up_sorted_kernel(
+    x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
+    if used:
+        w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
+
+
+@triton.jit
+def _moe_down_sorted_kernel(
+    h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
+    if used:
+        w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
+        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
+        rows = pairs.to(tl.int64)
+        scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
+        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
+
+
+def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, config=None) -> torch.Tensor:
+    """The routed experts on the aligned grouped path with caller-owned scratch: h [P, I] and partials [P, H] in
+    x's dtype (tests pass NaN-filled ones, so a row the kernels forget reaches the output). config overrides the
+    table (tests, tuner)."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
     P = M * K
-    decode = M <= DECODE_MAX_M if decode is None else decode
-    config = config or get_config(M, E, H, I, x.dtype)
+    config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, x.dtype)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
-    if decode:
-        sorted_pairs = ends = ids  # unused by the decode branch
-        num_slots, p_block, block_e = P, max(16, triton.next_power_of_2(P)), 1
-    else:
-        sorted_pairs, ends = align_pairs(ids, E, block_m)
-        num_slots, p_block, block_e = sorted_pairs.numel() // block_m, 1, triton.next_power_of_2(E)
-    grid = (triton.cdiv(I, up["BLOCK_N"]), num_slots)
-    _moe_up_kernel[grid](
-        x, w13, h, ids, sorted_pairs, ends, P, E, H, I,
-        TOP_K=K, DECODE=decode, P_BLOCK=p_block, BLOCK_E=block_e, BLOCK_M=block_m, **up,
-    )  # fmt: skip
-    grid = (triton.cdiv(H, down["BLOCK_N"]), num_slots)
-    _moe_down_kernel[grid](
-        h, w2, partials, weights, ids, sorted_pairs, ends, P, E, H, I,
-        DECODE=decode, P_BLOCK=p_block, BLOCK_E=block_e, BLOCK_M=block_m, **down,
-    )  # fmt: skip
-    return partials.view(M, K, H).sum(1)
+    sorted_pairs, ends = align_pairs(ids, E, block_m)
+    num_blocks, block_e = sorted_pairs.numel() // block_m, triton.next_power_of_2(E)
+    _moe_up_sorted_kernel[(triton.cdiv(I, up["BLOCK_N"]), num_blocks)](
+        x, w13, h, sorted_pairs, ends, P, E, H, I, TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, **up
+    )
+    _moe_down_sorted_kernel[(triton.cdiv(H, down["BLOCK_N"]), num_blocks)](
+        h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, BLOCK_E=block_e, BLOCK_M=block_m, **down
+    )
+    return partials.view(M, K, H).sum(1)  # fixed order, no atomics: bit-reproducible
 
 
-@torch.library.custom_op("qmoe::fused_moe", mutates_args=())
 def fused_moe(
     x: torch.Tensor,  # [M, H]
     w13: torch.Tensor,  # [E, 2I, H], gate rows first
@@ -349,13 +519,38 @@ def fused_moe(
     M, K = topk_ids.shape
     if M == 0:
         return torch.empty_like(x)
-    h = x.new_empty(M * K, w2.shape[2])
-    partials = x.new_empty(M * K, x.shape[1])
-    return fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials)
+    return fused_moe_into(
+        x, w13, w2, topk_weights, topk_ids, x.new_empty(M * K, w2.shape[2]), x.new_empty(M * K, x.shape[1])
+    )
 
 
-@fused_moe.register_fake
-def _(x, w13, w2, topk_weights, topk_ids):
+def moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k) -> torch.Tensor:
+    """The block for M > DECODE_MAX_M: route, the aligned grouped experts, the shared expert on cuBLAS."""
+    router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
+    routed = fused_moe(x, w13, w2, *route(router_logits, top_k))
+    return routed + shared_expert(gate, up, shared_down_proj, gate_logit)
+
+
+# ----------------------------------------------------------------------------------------------- the block
+
+
+def _moe_block(x, proj, w13, w2, shared_down_proj, top_k):
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if x.shape[0] <= DECODE_MAX_M:
+        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k)
+    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k)
+
+
+@torch.library.custom_op("qmoe::moe_block", mutates_args=())
+def _moe_block_op(
+    x: torch.Tensor, proj: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_down_proj: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k)
+
+
+@_moe_block_op.register_fake
+def _(x, proj, w13, w2, shared_down_proj, top_k):
     return torch.empty_like(x)
 
 
@@ -367,9 +562,8 @@ def moe_block(
     shared_down_proj: torch.Tensor,  # [H, Is]
     top_k: int,
 ) -> torch.Tensor:
-    """The sparse MoE block after its fused input projection -> [M, H]: routing and the routed experts in Triton,
-    the shared expert's down projection on cuBLAS."""
-    router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
-    topk_weights, topk_ids = route(router_logits, top_k)
-    routed = fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return routed + shared_expert(gate, up, shared_down_proj, gate_logit)
+    """The sparse MoE block after its fused input projection -> [M, H]: M <= 64 in two launches (moe_block_decode),
+    above on the aligned grouped path. Through the custom op only while tracing; eager launches directly."""
+    if kernels.tracing():
+        return _moe_block_op(x, proj, w13, w2, shared_down_proj, top_k)
+    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k)
