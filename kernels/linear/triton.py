@@ -237,8 +237,8 @@ def linear_into(x, weight, out, config=None, workspace=None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
-    grid, split, k_per_split, meta = cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(
-        M, N, K, config
+    grid, split, k_per_split, meta = (
+        cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(M, N, K, config)
     )
     if split == 1:
         _linear_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), k_per_split, 1, **meta)
