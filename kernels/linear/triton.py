@@ -173,8 +173,9 @@ def _linear_kernel(
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]: one reduction over K, after the loop
-        offs_m = pid_m + tl.arange(0, 1)
+        out = tl.sum(acc, axis=1)  # [BLOCK_N]: one reduction over K, after the loop
+        offs_out = pid_m * N + offs_n
+        mask = offs_n < N
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm
@@ -196,8 +197,8 @@ def _linear_kernel(
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         out = acc
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    offs_out = offs_m[:, None] * N + offs_n[None, :]
+        offs_out = offs_m[:, None] * N + offs_n[None, :]
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:  # fp32 partial of this split: workspace [SPLIT, M, N]
         tl.store(out_ptr + split * M * N + offs_out, out, mask=mask)
     else:
