@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
-# Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, bench_sampling, bench_gdn, bench_attention, bench_norm,
-#         bench_checkpoint, runtime, e2e.
+# Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, tune_gemv, bench_gemv, bench_sampling, bench_gdn,
+#         bench_attention, bench_norm, bench_checkpoint, runtime, e2e.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -23,7 +23,7 @@ run_stage() {
   local rc=$?
   status+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
   # pack after every stage: a later stage that runs out of time loses nothing already measured
-  tar czf "$OUT/results.tar.gz" results kernels/moe/configs 2>/dev/null
+  tar czf "$OUT/results.tar.gz" results kernels/moe/configs kernels/linear/configs 2>/dev/null
   printf '%s\n' "${status[@]}" >"$OUT/status.txt"
 }
 for stage in "$@"; do
@@ -42,6 +42,8 @@ except Exception as e:
         c = c.__cause__" ;;
     tune_moe) run_stage tune_moe python3 experiments/tune_moe.py ;;
     bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ;;
+    tune_gemv) run_stage tune_gemv python3 experiments/tune_gemv.py ;;
+    bench_gemv) run_stage bench_gemv python3 experiments/bench_gemv.py ;;
     bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py ;;
     bench_gdn) run_stage bench_gdn python3 experiments/bench_gdn.py ;;
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;

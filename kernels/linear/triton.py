@@ -1,0 +1,279 @@
+"""Dense projections y = x @ w^T for decode: a Triton skinny GEMM (a GEMV at M = 1), cuBLAS above 64 rows.
+
+Shapes: x [..., K] read as M = x.numel() // K rows, weight [N, K] (rows contiguous), out [..., N] in x's dtype.
+
+At M <= 64 the op reads the weight once and is bound by HBM bandwidth, so the kernel is built to stream it:
+  BLOCK_M == 1  (M = 1): a GEMV without tensor cores. Each program owns BLOCK_N weight rows, loads
+    [BLOCK_N, BLOCK_K] tiles with 16-byte vectors along K, accumulates elementwise in fp32 registers and reduces
+    over K once, after the loop. Small BLOCK_N and wide BLOCK_K give many programs with many bytes in flight.
+  BLOCK_M >= 16 (2 <= M <= 64): a tl.dot tile [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] with an fp32 accumulator
+    (rows past M are masked; the tensor cores have compute to spare at these M).
+Split-K (SPLIT_K > 1) gives shapes with few output tiles enough programs: split s writes its fp32 partial to a
+workspace [S, M, N], and a second small kernel sums the S partials in split order and rounds once. No atomics
+anywhere: the result is a function of the launch config only, bit-reproducible across runs, eager, CUDA-graph
+replay and exported programs. The workspace is allocated per call through torch's caching allocator (CUDA
+graphs capture it like any other temporary); nothing persists between calls.
+Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS already runs near the tensor-core
+ceiling.
+
+Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
+QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
+time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an eager call does a dict lookup
+and one launch (two with split-K).
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernels
+
+__all__ = ["linear"]
+
+MAX_M = 64  # rows up to which the Triton kernel runs; F.linear (cuBLAS) above
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+REDUCE_BLOCK = 1024
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+def gpu_config_path(device_name: str) -> Path:
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def shape_key(N: int, K: int, dtype: torch.dtype) -> str:
+    return f"N{N}_K{K}_{str(dtype).removeprefix('torch.')}"
+
+
+def m_bucket(M: int) -> int:
+    return next(b for b in M_BUCKETS if b >= M)
+
+
+def load_table() -> dict:
+    """The tuned table for this process's GPU: {shape_key: {str(M bucket): config}}; empty -> defaults."""
+    if os.environ.get("QMOE_GEMV_DEFAULT_CONFIGS") == "1" or not torch.cuda.is_available():
+        return {}
+    path = gpu_config_path(torch.cuda.get_device_name())
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+CONFIG_TABLE = load_table()
+
+
+def default_config(M: int, N: int, K: int, num_sms: int) -> dict:
+    """A reasoned config for shapes the table does not cover. M = 1: tiles of 4096 elements (32 per thread, four
+    16-byte loads of bf16 each) and BLOCK_N halved until there are >= 4 programs per SM. M > 1: a dot tile
+    BLOCK_N = 64 halved (to 16) and then split along K until there are >= 2 programs per SM."""
+    if M == 1:
+        block_k = min(512, max(16, triton.next_power_of_2(K)))
+        block_n = max(1, 4096 // block_k)
+        while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
+            block_n //= 2
+        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
+    block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(M))), 64, max(16, min(128, K))
+    block_k = triton.next_power_of_2(block_k)
+    tiles = lambda: triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    while block_n > 16 and tiles() < 2 * num_sms:
+        block_n //= 2
+    k_blocks, split = triton.cdiv(K, block_k), 1
+    while split < 8 and tiles() * split < 2 * num_sms and k_blocks >= 2 * split:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict:
+    tuned = CONFIG_TABLE.get(shape_key(N, K, dtype), {}).get(str(m_bucket(M)))
+    return tuned or default_config(M, N, K, num_sms)
+
+
+def check_config(config: dict) -> None:
+    """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
+    if sorted(config) != sorted(CONFIG_KEYS):
+        raise ValueError(f"linear config needs exactly the keys {CONFIG_KEYS}, got {sorted(config)}")
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, bk)):
+        raise ValueError(f"linear config: BLOCK_M, BLOCK_N, BLOCK_K must be powers of two, got {config}")
+    if bm != 1 and (bm < 16 or bn < 16 or bk < 16):
+        raise ValueError(f"linear config: the dot path (BLOCK_M > 1) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16: {config}")
+    if config["SPLIT_K"] < 1:
+        raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
+
+
+def make_plan(M: int, N: int, K: int, config: dict) -> tuple:
+    """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
+    The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
+    splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short."""
+    check_config(config)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    k_blocks = triton.cdiv(K, bk)
+    blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
+    split = triton.cdiv(k_blocks, blocks_per_split)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
+    meta = dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    return grid, split, blocks_per_split * bk, meta
+
+
+_PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the default) config
+
+
+def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    key = (N, K, dtype, M)
+    plan = _PLANS.get(key)
+    if plan is None:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _linear_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split, SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):  # fmt: skip
+    # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    split = (pid // num_m) % SPLIT
+    pid_n = pid // (num_m * SPLIT)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    # Rows past N re-read row N - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    if BLOCK_M == 1:
+        x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k  # [BLOCK_K]
+        w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_mask = k + tl.arange(0, BLOCK_K) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1)  # [BLOCK_N]: one reduction over K, after the loop
+        offs_out = pid_m * N + offs_n
+        mask = offs_n < N
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm
+        x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + w_rows[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_mask = k + tl.arange(0, BLOCK_K) < K
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            if x.dtype == tl.float32:  # fp32 stays fp32 (no tf32), so the fp32 model matches the torch path
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = acc
+        offs_out = offs_m[:, None] * N + offs_n[None, :]
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if PARTIAL:  # fp32 partial of this split: workspace [SPLIT, M, N]
+        tl.store(out_ptr + split * M * N + offs_out, out, mask=mask)
+    else:
+        tl.store(out_ptr + offs_out, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr):
+    """out[i] = sum over s = 0, 1, ..., SPLIT - 1 of ws[s, i], in that order, rounded once to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear: weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {weight.shape}")
+    if weight.stride(1) != 1:
+        raise ValueError(
+            f"linear: weight rows must be contiguous (weight.stride(1) == 1), got strides {weight.stride()}; "
+            "pass weight.contiguous() or a row slice of a contiguous buffer"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}; both must have the same dtype")
+
+
+def linear_into(x, weight, out, config=None, workspace=None) -> torch.Tensor:
+    """out [M, N] (contiguous, x's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
+    config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
+    NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
+    grid, split, k_per_split, meta = (
+        cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(M, N, K, config)
+    )
+    if split == 1:
+        _linear_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), k_per_split, 1, **meta)
+        return out
+    if workspace is None:
+        workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    _linear_kernel[grid](x, weight, workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split, **meta)
+    _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](workspace, out, M * N, split, BLOCK=REDUCE_BLOCK)
+    return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check(x, weight)
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    if M > MAX_M or M == 0 or K == 0:
+        return F.linear(x, weight)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    linear_into(x.reshape(M, K), weight, out)
+    return out.view(*x.shape[:-1], N)
+
+
+@torch.library.custom_op("qmoe::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _linear(x, weight)
+
+
+@_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (naive.linear's semantics; fp32 accumulation).
+    weight rows must be contiguous (stride(1) == 1; any row stride, e.g. a row slice of a fused buffer); x may
+    be any view. Through the custom op only while torch.export traces; eager calls launch directly."""
+    return _linear_op(x, weight) if kernels.tracing() else _linear(x, weight)

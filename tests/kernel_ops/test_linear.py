@@ -1,0 +1,182 @@
+"""Triton dense projection (kernels/linear/triton.py) against the PyTorch reference (kernels/linear/naive.py) in
+float64. Configs are forced through linear_into(config=...) so both kernel paths (GEMV at BLOCK_M = 1, tl.dot at
+BLOCK_M >= 16), with and without split-K, run at interpreter-sized shapes."""
+
+import pytest
+import torch
+
+from kernels.linear import naive
+from kernels.linear import triton as lin
+from tests.helpers import poisoned, rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1):
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
+
+
+def make(M, N, K, dtype, seed=0, device="cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, generator=gen, device=device, dtype=dtype)
+    w = torch.randn(N, K, generator=gen, device=device, dtype=dtype) / K**0.5
+    return x, w
+
+
+def reference(x, w):
+    return naive.linear(x.double(), w.double())
+
+
+# (M, N, K, config, reason)
+CASES = [
+    (1, 48, 64, config(1, 16, 32), "GEMV, every size a multiple of its block"),
+    (1, 37, 53, config(1, 8, 16), "GEMV, primes: N tail (37 = 4 * 8 + 5) and K tail (53 = 3 * 16 + 5)"),
+    (1, 29, 100, config(1, 4, 16, SPLIT_K=3), "GEMV split-K: 7 K blocks over 3 splits (3, 3, 1), short last block"),
+    (1, 16, 64, config(1, 1, 64, SPLIT_K=4), "GEMV, one row per program, split > K blocks (1 block: no split)"),
+    (3, 37, 53, config(1, 16, 32), "GEMV path at M = 3: one program row per token"),
+    (1, 40, 48, config(16, 16, 16), "dot path at M = 1: 15 masked rows in the tile"),
+    (7, 33, 80, config(16, 32, 16, SPLIT_K=2), "dot split-K: M < BLOCK_M, N tail, 5 K blocks over 2 splits"),
+    (37, 23, 41, config(16, 16, 16, SPLIT_K=3), "dot, primes: three M tiles, N and K tails, 3 K blocks, 3 splits"),
+    (64, 32, 48, config(64, 16, 16), "dot at the hand-over size M = 64, one M tile"),
+    (20, 48, 96, config(16, 32, 32, SPLIT_K=8), "dot, SPLIT_K 8 over 3 K blocks: clamped to 3 splits"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K,cfg,reason", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+def test_linear_into(M, N, K, cfg, reason, dtype):
+    """Output and split-K workspace NaN-poisoned: an output tile or a partial the kernels skip reaches the result."""
+    x, w = make(M, N, K, dtype, seed=M + N + K)
+    _, split, _, _ = lin.make_plan(M, N, K, cfg)
+    out = poisoned(M, N, dtype=dtype)
+    ws = poisoned(split, M, N) if split > 1 else None
+    lin.linear_into(x, w, out, config=cfg, workspace=ws)
+    assert rel_err(out, reference(x, w)) < TOL[dtype], reason
+
+
+@pytest.mark.parametrize("M,K,SPLIT_K,splits", [(1, 48, 4, 3), (1, 96, 4, 3), (1, 100, 2, 2), (1, 16, 5, 1)])
+def test_split_plan(M, K, SPLIT_K, splits):
+    """Splits cover whole BLOCK_K blocks and none is empty: 3 blocks / 4 -> 3; 6 / 4 -> 3 (of 2); 7 / 2 -> 2."""
+    grid, split, k_per_split, _ = lin.make_plan(M, 20, K, config(1, 4, 16, SPLIT_K))
+    assert split == splits and k_per_split % 16 == 0
+    assert (split - 1) * k_per_split < K <= split * k_per_split
+    assert grid == (5 * split,)
+
+
+@pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last triton", "M65 cuBLAS"])
+def test_linear_default_configs(M):
+    """The public op with the default configs (no table on CPU), across the M = 64 / 65 hand-over to F.linear."""
+    x, w = make(M, 70, 96, torch.float32, seed=M)
+    out = lin.linear(x, w)
+    assert out.shape == (M, 70) and out.dtype == torch.float32
+    assert rel_err(out, reference(x, w)) < TOL[torch.float32]
+    if M > lin.MAX_M:
+        assert torch.equal(out, naive.linear(x, w))
+
+
+def test_non_contiguous_inputs():
+    """x as a column-sliced view (row stride > K), as a K-strided view (copied), as a 3-D view whose rows do not
+    collapse to one stride; weight as a row slice of a fused buffer (the model's layout) and as [N, K] with a row
+    stride > K."""
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.randn(50, 40, generator=gen) / 40**0.5
+    w = fused[13:40]  # rows 13..39 of a fused weight: stride(0) == K, offset start
+    base = torch.randn(6, 90, generator=gen)
+    for x in (base[:3, 10:50], base[:2, ::2][:, :40], base.view(6, 2, 45)[:, :, :40].transpose(0, 1)):
+        assert x.shape[-1] == 40 and not x.is_contiguous()
+        assert rel_err(lin.linear(x, w), reference(x, w)) < TOL[torch.float32]
+    wide = torch.randn(27, 64, generator=gen)[:, :40]  # row stride 64 > K
+    x = base[:1, :40]
+    assert rel_err(lin.linear(x, wide), reference(x, wide)) < TOL[torch.float32]
+
+
+def test_bad_inputs():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"stride\(1\) == 1"):
+        lin.linear(x, torch.randn(8, 5).t())
+    with pytest.raises(ValueError, match="same dtype"):
+        lin.linear(x, torch.randn(5, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\]"):
+        lin.linear(x, torch.randn(5, 9))
+    with pytest.raises(ValueError, match="dot path"):
+        lin.make_plan(2, 8, 8, config(8, 16, 16))
+
+
+def test_config_table_lookup(monkeypatch):
+    """Tuned entries are found by (N, K, dtype, M bucket); a shape or bucket without one gets the defaults."""
+    tuned = config(16, 32, 64, SPLIT_K=2)
+    monkeypatch.setattr(lin, "CONFIG_TABLE", {lin.shape_key(96, 128, torch.bfloat16): {"4": tuned}})
+    assert [lin.m_bucket(m) for m in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
+    assert lin.get_config(3, 96, 128, torch.bfloat16, 132) == tuned
+    assert lin.get_config(5, 96, 128, torch.bfloat16, 132) == lin.default_config(5, 96, 128, 132)
+    assert lin.get_config(3, 96, 128, torch.float16, 132) == lin.default_config(3, 96, 128, 132)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 4096), (1, 248320, 2048), (8, 2048, 512), (64, 12352, 2048)])
+def test_default_config_shapes(M, N, K):
+    """Defaults at model shapes: valid, >= 2 programs per SM of a 132-SM GPU, 16-byte vectors at M = 1."""
+    cfg = lin.default_config(M, N, K, 132)
+    grid, *_ = lin.make_plan(M, N, K, cfg)
+    assert grid[0] >= 2 * 132
+    if M == 1:
+        assert cfg["BLOCK_M"] == 1 and cfg["BLOCK_K"] >= 8 * 32
+
+
+def test_export():
+    """Under torch.export the op traces as the custom op qmoe::linear (with its fake) and the program runs it."""
+
+    class Proj(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = torch.nn.Parameter(w, requires_grad=False)
+
+        def forward(self, x):
+            return lin.linear(x, self.w)
+
+    x, w = make(1, 24, 40, torch.float32)
+    program = torch.export.export(Proj(w), (x[None],))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "qmoe.linear.default" in targets
+    out = program.module()(x[None])
+    assert out.shape == (1, 1, 24) and rel_err(out, reference(x[None], w)) < TOL[torch.float32]
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+SHAPES_35B = {"gdn_in": (12352, 2048), "gdn_out": (2048, 4096), "moe_in": (1281, 2048), "lm_head": (248320, 2048)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", list(SHAPES_35B), ids=str)
+def test_linear_35b_gpu(shape, M):
+    """bf16 at 35B shapes with the table's configs: error vs fp64 no worse than cuBLAS's (within 10 %), and two
+    calls bit-identical (no atomics; split-K sums in split order)."""
+    N, K = SHAPES_35B[shape]
+    x, w = make(M, N, K, torch.bfloat16, device="cuda")
+    ref = reference(x, w)
+    out = lin.linear(x, w)
+    assert rel_err(out, ref) <= 1.1 * rel_err(naive.linear(x, w), ref) + 1e-4
+    assert torch.equal(out, lin.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [config(1, 4, 512, SPLIT_K=4), config(16, 64, 128, SPLIT_K=4)], ids=["gemv", "dot"])
+def test_split_k_cuda_graph_gpu(cfg):
+    """A split-K launch (per-call workspace from the caching allocator) captured in a CUDA graph and replayed on
+    new inputs copied into the static x: bit-identical to eager, every replay."""
+    x, w = make(8 if cfg["BLOCK_M"] > 1 else 1, 2048, 4096, torch.bfloat16, device="cuda")
+    run = lambda: lin.linear_into(x, w, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device="cuda"), cfg)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, run())
+        assert rel_err(static_out, reference(x, w)) < TOL[torch.bfloat16]
