@@ -219,9 +219,7 @@ def run_experiment(
     model, identity, tokenizer = loaded
     model_ready_s = time.perf_counter() - t0
     mcfg = model.config
-    log.info(
-        f"model {cfg.model.name} ready in {model_ready_s:.1f} s ({mcfg.param_counts()['total']:,} parameters)"
-    )
+    log.info(f"model {cfg.model.name} ready in {model_ready_s:.1f} s ({mcfg.param_counts()['total']:,} parameters)")
 
     prompts = build_prompts(cfg.prompt, s.batch_size, mcfg.vocab_size, tokenizer)
     check_fits(prompts, s.max_new_tokens, s.max_seq_len)

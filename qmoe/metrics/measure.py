@@ -79,9 +79,11 @@ def bandwidth_floor(config, dtype: torch.dtype, device: torch.device, decode_p50
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free bytes on `device`: the CUDA driver's free memory, or the host's available RAM."""
+    """Free bytes on `device`: the CUDA driver's free memory plus what PyTorch's caching allocator holds unused,
+    or the host's available RAM."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     import psutil
 
     return psutil.virtual_memory().available
