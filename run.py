@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def fail(message: str) -> None:
@@ -20,34 +21,57 @@ def fail(message: str) -> None:
 
 
 def preflight(argv: list[str]) -> None:
-    """Compose the config once before Hydra does, so an unknown option or key is one line and exit 2.
-    Sweep overrides are checked with their first value."""
+    """Compose and validate the config before Hydra makes a run directory, so bad input is one line and exit 2.
+    In a sweep (-m) every value of every swept key is checked (with the other keys at their first value)
+    before job 0 starts; combinations the ablation sweeper skips are left to it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from qmoe.errors import BAD_INPUT_ERRORS
+    from qmoe.runtime.combos import cfg_combination_error
+    from qmoe.settings import CONFIG_DIR, compose_error, first_line, validate_for_run
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
     args = [a for a in argv if not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(args)
     except Exception as e:  # noqa: BLE001 - Hydra raises several types for malformed overrides
-        fail(f"bad override: {str(e).splitlines()[0]}")
-    overrides = []
+        fail(f"bad override: {str(e).strip().splitlines()[0]}")
+    first, sweeps = [], []
     for o in parsed:
         if o.key_or_group.startswith("hydra"):
             continue
-        value = next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()
-        overrides.append(f"{o.get_key_element()}={value}")
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            first.append(f"{key}={values[0]}")
+            sweeps += [(len(first) - 1, key, v, i + 1, len(values)) for i, v in enumerate(values) if multirun]
+        else:
+            first.append(f"{key}={o.get_value_element_as_str()}")
+    candidates = [(first, None)] + [
+        (first[:i] + [f"{key}={value}"] + first[i + 1 :], f"{key}={value}, sweep value {n} of {total}")
+        for i, key, value, n, total in sweeps
+        if n > 1
+    ]
     try:
-        with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
-            compose("config", overrides=overrides)
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        options = ""
-        if "Could not find" in first:
-            group = first.split("'")[1].split("/")[0] if "'" in first else ""
-            names = sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
-            options = f"; allowed: {', '.join(names)}" if names else ""
-        fail(f"{first}{options}")
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            ablation = None
+            for overrides, where in candidates:
+                try:
+                    cfg = compose("config", overrides=overrides, return_hydra_config=multirun)
+                except Exception as e:  # noqa: BLE001
+                    fail(compose_error(e) + (f" [{where}; no job was started]" if where else ""))
+                if ablation is None:
+                    ablation = multirun and "AblationSweeper" in str(cfg.hydra.sweeper.get("_target_", ""))
+                try:
+                    validate_for_run(cfg)
+                except BAD_INPUT_ERRORS as e:
+                    import torch
+
+                    if ablation and cfg_combination_error(cfg, torch.cuda.is_available()) is not None:
+                        continue  # the ablation sweeper records it as not run
+                    fail(first_line(e) + (f" [{where}; no job was started]" if where else ""))
     finally:
         GlobalHydra.instance().clear()
 
@@ -64,22 +88,64 @@ def explicit_arch_overrides(task_overrides: list[str]) -> dict:
     return out
 
 
+def discard_run_dir(run_dir: str) -> None:
+    """A run that failed before it measured anything leaves no directory: Hydra's .hydra/ and run.log go, then
+    the directory if that emptied it (and Hydra's date directory above it, if that emptied it)."""
+    import re
+    import shutil
+
+    d = Path(run_dir)
+    if (d / "results.json").exists():
+        return
+    shutil.rmtree(d / ".hydra", ignore_errors=True)
+    (d / "run.log").unlink(missing_ok=True)
+    for directory in (d, d.parent if re.fullmatch(r"\d{4}-\d{2}-\d{2}", d.parent.name) else None):
+        try:
+            if directory is not None:
+                directory.rmdir()
+        except OSError:  # not empty: it holds something else
+            break
+
+
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    import logging
+    import traceback
+
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
     from qmoe.app import run_experiment, summary_table
     from qmoe.errors import BAD_INPUT_ERRORS
+    from qmoe.settings import first_line
 
+    logging.captureWarnings(True)  # warnings go to run.log too (and to stderr, as Hydra's console handler does)
+    log = logging.getLogger("qmoe")
     hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
     with open_dict(cfg):
         cfg.model.arch_overrides = {**cfg.model.arch_overrides, **explicit_arch_overrides(list(hc.overrides.task))}
     try:
-        results = run_experiment(cfg, run_dir=hc.runtime.output_dir, progress=sys.stderr.isatty())
+        results = run_experiment(cfg, run_dir=run_dir, progress=sys.stderr.isatty())
     except BAD_INPUT_ERRORS as e:
-        fail(str(e).splitlines()[0])
-    print(summary_table(results))
+        discard_run_dir(run_dir)
+        fail(first_line(e))
+    except KeyboardInterrupt:
+        discard_run_dir(run_dir)
+        print("interrupted before the first decode step was measured: nothing written", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception:
+        (Path(run_dir) / "error.txt").write_text(traceback.format_exc())  # the directory holds the error
+        raise
+    table = summary_table(results)
+    log.info("summary\n" + table)
+    print(table)
+    if results.get("partial"):
+        print(
+            f"interrupted: {results['interrupted']}; results so far in {results['results_path']} (partial)",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

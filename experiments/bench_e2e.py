@@ -18,6 +18,7 @@ from benchlib import ceilings, print_targets, target, write_json
 from hydra import compose, initialize_config_dir
 
 from qmoe.app import get_model, run_experiment
+from qmoe.metrics.measure import active_weight_bytes
 from qmoe.settings import validate
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -134,7 +135,7 @@ def main():
 
     base = config(*model_args)
     model = get_model(base, validate(base), progress=False).model
-    active_bytes = model.config.param_counts()["active"] * model.dtype.itemsize
+    active_bytes = active_weight_bytes(model.config, model.dtype)
     floor_ms = active_bytes / (ceil["copy_gbs"] * 1e9) * 1e3
 
     rows: list[dict] = []

@@ -1,12 +1,18 @@
 """Validate a composed Hydra config into typed settings; every bad value is a one-line ConfigError naming its key."""
 
-from dataclasses import dataclass
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import kernels
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNTIMES = ("reference", "host", "cuda_native")
 LOGGERS = ("wandb", "none")
@@ -32,9 +38,15 @@ def _int(cfg, key: str, minimum: int | None = None) -> int:
 
 def _float(cfg, key: str) -> float:
     value = OmegaConf.select(cfg, key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    require(ok, key, "must be a number", value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    require(ok, key, "must be a finite number", value)
     return float(value)
+
+
+def _bool(cfg, key: str) -> bool:
+    value = OmegaConf.select(cfg, key)
+    require(isinstance(value, bool), key, "must be true or false", value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,7 @@ class Settings:
     sampling: SamplingSettings
     max_new_tokens: int
     batch_size: int
+    stop_on_eos: bool
     logger: str
 
 
@@ -78,8 +91,76 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def compose_error(e: Exception) -> str:
+    """An error composing the config (Hydra's, or a bad value) as one line; an unknown option of a group comes
+    with the options there are."""
+    first = first_line(e)
+    missing = re.search(r"Could not find '([^'/]+)/", first)
+    names = sorted(p.stem for p in (CONFIG_DIR / missing.group(1)).glob("*.yaml")) if missing else []
+    return f"{first}; allowed: {', '.join(names)}" if names else first
+
+
+def group_keys(group: str) -> set[str]:
+    """Every key any option of configs/<group>/ sets: the keys a run of that group may carry."""
+    keys = set()
+    for file in (CONFIG_DIR / group).glob("*.yaml"):
+        keys |= set(yaml.safe_load(file.read_text()) or {}) - {"defaults"}
+    return keys
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """A key nothing reads (`+foo=1`, `+sampling.tempreature=1`) is an error, not silently carried along."""
+    from qmoe.model.config import ModelConfig  # torch-free, but not needed before a run
+
+    groups = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+    top = sorted({*groups, "experiment", "seed", "hydra"})
+    for key in cfg:
+        require(key in top, str(key), f"unknown key, nothing reads it; allowed top-level keys: {', '.join(top)}")
+    for group in groups:
+        allowed = group_keys(group) if group != "kernels" else set(kernels.OPS)
+        for key in cfg.get(group) or {}:
+            require(key in allowed, f"{group}.{key}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    arch = {f.name for f in fields(ModelConfig)}
+    for section in ("arch", "arch_overrides"):
+        for key in OmegaConf.select(cfg, f"model.{section}") or {}:
+            require(key in arch, f"model.{section}.{key}", "not a ModelConfig field (see configs/model/*.yaml)")
+
+
+def check_prompt(cfg: DictConfig, checkpoint: str | None) -> None:
+    """Exactly one prompt source; text and chat need a tokenizer (the checkpoint's tokenizer.json)."""
+    text, ids = OmegaConf.select(cfg, "prompt.text"), OmegaConf.select(cfg, "prompt.token_ids")
+    require(
+        text is None or ids is None,
+        "prompt.text",
+        "give prompt.text or prompt.token_ids, not both (set the other to null)",
+    )
+    if _bool(cfg, "prompt.chat"):
+        require(text is not None, "prompt.chat", "wraps prompt.text in ChatML; it needs prompt.text (and a tokenizer)")
+    if text is not None:
+        require(
+            checkpoint is not None,
+            "prompt.text",
+            "needs a checkpoint with tokenizer.json (set model.checkpoint) or use prompt.token_ids / prompt.length",
+        )
+
+
+def check_triton_runs(choice: dict, device: torch.device) -> None:
+    """Triton kernels compile for a GPU; on the CPU they run only under Triton's interpreter."""
+    on_triton = [group for group, impl in choice.items() if impl == "triton"]
+    if on_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"kernels.{on_triton[0]}: triton needs a CUDA device; on the CPU run with TRITON_INTERPRET=1 "
+            "(Triton's interpreter, slow) or use kernels=torch"
+        )
+
+
 def validate(cfg: DictConfig) -> Settings:
     """Check every key a run reads; the model architecture is checked by ModelConfig when it is built."""
+    check_known_keys(cfg)
     dtype = OmegaConf.select(cfg, "model.dtype")
     require(dtype in DTYPES, "model.dtype", f"must be one of {', '.join(DTYPES)}", dtype)
     device = resolve_device(OmegaConf.select(cfg, "model.device"))
@@ -91,10 +172,15 @@ def validate(cfg: DictConfig) -> Settings:
     if runtime == "cuda_native":
         require(device.type == "cuda", "runtime", "cuda_native needs a CUDA device (use runtime=host or reference)")
 
-    choice = OmegaConf.to_container(cfg.kernels) if "kernels" in cfg else {}
-    for group, impl in choice.items():
+    named = OmegaConf.to_container(cfg.kernels) if "kernels" in cfg else {}
+    for group, impl in named.items():
         require(group in kernels.OPS, f"kernels.{group}", f"unknown op group; allowed: {', '.join(kernels.OPS)}")
         require(impl in kernels.IMPLEMENTATIONS, f"kernels.{group}", "must be torch or triton", impl)
+    # every group, so that a model reused from an earlier run is set entirely by this one (a group not named
+    # runs its torch reference)
+    choice = {group: named.get(group, "torch") for group in kernels.OPS}
+    check_triton_runs(choice, device)
+    check_prompt(cfg, checkpoint)
 
     temperature = _float(cfg, "sampling.temperature")
     require(temperature >= 0, "sampling.temperature", "must be >= 0 (0 = greedy)", temperature)
@@ -116,5 +202,26 @@ def validate(cfg: DictConfig) -> Settings:
         sampling=sampling,
         max_new_tokens=_int(cfg, "generation.max_new_tokens", 1),
         batch_size=_int(cfg, "generation.batch_size", 1),
+        stop_on_eos=_bool(cfg, "generation.stop_on_eos"),
         logger=logger,
     )
+
+
+def validate_for_run(cfg: DictConfig) -> Settings:
+    """validate(cfg), and what run.py can check before a run directory exists: the export settings, the runtime x
+    export x CUDA-graph combination, a random model's architecture numbers."""
+    from qmoe.export.settings import ExportSettings
+    from qmoe.model.config import ModelConfig
+    from qmoe.runtime.combos import cfg_combination_error
+
+    s = validate(cfg)
+    ExportSettings.from_cfg(cfg.export)
+    error = cfg_combination_error(cfg, s.device.type == "cuda")
+    if error is not None:
+        raise ConfigError(error)
+    if s.checkpoint is None:
+        try:
+            ModelConfig.from_dict(OmegaConf.to_container(cfg.model.arch))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+    return s

@@ -118,3 +118,77 @@ def test_multirun_one_results_per_job(tmp_path):
         len(json.loads(f.read_text())["generated"]["token_ids"][0]) for f in tmp_path.glob("*/results.json")
     )
     assert lengths == [2, 3]
+
+
+def test_reused_model_is_set_entirely_by_each_run(tmp_path):
+    """The process's ModelCache hands the same weights to the next run: a run must leave nothing of itself on
+    them (kernel choice, cache shape). Run B after A gives what B gives on weights of its own."""
+    from qmoe.app import MODELS, ModelCache
+
+    a = run(tmp_path, "kernels.norm=triton", "generation.batch_size=2", "generation.max_new_tokens=3")
+    model = MODELS._loaded.model
+    assert model.ops["norm"].__name__ == "kernels.norm.triton"
+    b = run(tmp_path, "generation.max_new_tokens=5", "~kernels.norm")  # a group not named runs torch
+    assert MODELS._loaded.model is model  # reused, not rebuilt
+    assert all(m.__name__.endswith(".naive") for m in model.ops.values()) and model.batch_size == 1
+    fresh = run_experiment(compose_config("logger=none", "generation.max_new_tokens=5"), tmp_path, models=ModelCache())
+    assert (
+        b["generated"] == fresh["generated"]
+        and a["generated"]["token_ids"][0][:3] == fresh["generated"]["token_ids"][0][:3]
+    )
+
+
+def test_planned_bytes_per_token_from_the_export_plan(tmp_path):
+    """On the CPU nothing moves (measured 0); the plan still says what a GPU would move per decode token: the
+    baseline delegate copies tokens + input_pos up (8 + 8 B) and the fp32 logits down (512 x 4 B); copy_elided
+    moves nothing."""
+    args = ("runtime=host", "generation.max_new_tokens=3")
+    base = run(tmp_path, *args, "export=baseline")["transfers"]
+    assert base["per_decode_token"]["h2d"]["bytes"] == 0
+    assert base["setup"]["planned_per_decode_token"] == {
+        "h2d": {"count": 2, "bytes": 16},
+        "d2h": {"count": 1, "bytes": 2048},
+    }
+    planned = run(tmp_path, *args, "export=device_planned")["transfers"]["setup"]["planned_per_decode_token"]
+    assert planned == base["setup"]["planned_per_decode_token"]  # the same bytes, through explicit copy nodes
+    elided = run(tmp_path, *args, "export=copy_elided")
+    assert elided["transfers"]["setup"]["planned_per_decode_token"] == {}
+    from qmoe.app import summary_table
+
+    assert "planned  h2d 0" not in summary_table(elided) and "(not moved without CUDA)" in summary_table(elided)
+
+
+def test_active_weight_bytes_match_the_e2e_benchmark():
+    """One function gives the floor's numerator; results/bench_e2e.json recorded 5,892,859,136 B for 35B-A3B bf16."""
+    from qmoe.metrics.measure import active_weight_bytes, bandwidth_floor
+
+    cfg = ModelConfig.from_dict(compose_config("model=qwen35_moe").model.arch)
+    recorded = json.loads((ROOT / "results/bench_e2e.json").read_text())["active_weight_bytes"]
+    assert active_weight_bytes(cfg, torch.bfloat16) == recorded
+    assert bandwidth_floor(cfg, torch.bfloat16, torch.device("cpu"), 5.0)["floor_ms"] is None  # no GPU, no floor
+
+
+@pytest.mark.gpu
+def test_bandwidth_floor_on_the_gpu(tmp_path):
+    r = run(tmp_path, "runtime=cuda_native", "generation.max_new_tokens=8")
+    floor = r["bandwidth_floor"]
+    assert floor["copy_gbs"] > 100 and 0 < floor["fraction_of_decode_p50"] < 1
+    assert r["transfers"]["setup"]["preset"] == "copy_elided" and r["transfers"]["setup"]["cuda_graph"]
+
+
+def test_wandb_online_without_host_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    t0 = time.perf_counter()
+    r = run_experiment(compose_config("generation.max_new_tokens=3"), run_dir=tmp_path)
+    assert time.perf_counter() - t0 < 30
+    assert "did not answer" in r["logger_error"] and "127.0.0.1:9" in r["logger_error"]
+    assert json.loads((tmp_path / "results.json").read_text())["logger_error"] == r["logger_error"]
+
+
+def test_unwritable_wandb_dir_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "file" / "wandb"))  # under a file: not creatable, even as root
+    r = run_experiment(compose_config("generation.max_new_tokens=3"), run_dir=tmp_path / "run")
+    assert "not writable" in r["logger_error"] and str(tmp_path / "file" / "wandb") in r["logger_error"]
+    assert json.loads((tmp_path / "run/results.json").read_text())["logger_error"] == r["logger_error"]

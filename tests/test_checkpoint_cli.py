@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = tiny_config()
 
 
-def run_cli(tmp_path, *args) -> dict:
+def run_cli(tmp_path, *args, stdout: list | None = None) -> dict:
     out = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, "run.py", "logger=none", f"hydra.run.dir={out}", *args],
@@ -27,6 +27,8 @@ def run_cli(tmp_path, *args) -> dict:
         timeout=180,
     )
     assert p.returncode == 0, p.stderr
+    if stdout is not None:
+        stdout.append(p.stdout)
     return json.loads((out / "results.json").read_text())
 
 
@@ -57,6 +59,7 @@ def test_text_prompt_through_tokenizer_and_eos_stop(tmp_path):
     )
     tok = write_tokenizer(ckpt, TINY.vocab_size)
     assert tok.exists()
+    printed = []
     free = run_cli(
         tmp_path,
         f"model.checkpoint={ckpt}",
@@ -64,6 +67,7 @@ def test_text_prompt_through_tokenizer_and_eos_stop(tmp_path):
         "prompt.chat=true",
         "generation.stop_on_eos=false",
         "generation.max_new_tokens=6",
+        stdout=printed,
     )
     ids = free["generated"]["token_ids"][0]
     assert isinstance(free["generated"]["text"][0], str) and len(ids) == 6
@@ -72,6 +76,8 @@ def test_text_prompt_through_tokenizer_and_eos_stop(tmp_path):
     tokenizer = load_tokenizer(ckpt)
     assert free["prompt"]["token_ids"][0] == tokenizer.encode("hello world", chat=True)
     assert free["generated"]["text"][0] == tokenizer.decode(ids)
+    text_rows = [line for line in printed[0].splitlines() if line.startswith("text[0]")]
+    assert text_rows[0].endswith(repr(tokenizer.decode(ids)))  # the summary prints the generated text
     # Declare a token the model produces as EOS in generation_config.json: generation stops right after it.
     stop_at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
     gen_cfg = json.loads((ckpt / "generation_config.json").read_text())

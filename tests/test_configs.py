@@ -1,5 +1,6 @@
 """Every config group composes; the CLI turns bad input into one line and exit code 2."""
 
+import os
 import subprocess
 import sys
 import time
@@ -36,8 +37,49 @@ def test_default_settings_validate():
     assert s.runtime == "reference" and s.sampling.greedy
 
 
-def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def test_cuda_native_defaults_to_its_fast_path():
+    """runtime=cuda_native alone: copy-elided export, every kernel group on Triton, CUDA graph auto (on with
+    planning); the CPU default stays reference + baseline + torch."""
+    cfg = compose_config("runtime=cuda_native")
+    assert cfg.export.preset == "copy_elided" and cfg.runtime.cuda_graph == "auto"
+    assert set(cfg.kernels.values()) == {"triton"}
+    default = compose_config()
+    assert (default.runtime.name, default.export.preset, set(default.kernels.values())) == (
+        "reference",
+        "baseline",
+        {"torch"},
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,preset,impls",
+    [
+        (["export=baseline"], "baseline", {"triton"}),
+        (["kernels=torch"], "copy_elided", {"torch"}),
+        (["kernels.moe=torch"], "copy_elided", {"torch", "triton"}),
+        (["export=device_planned", "kernels=torch"], "device_planned", {"torch"}),
+    ],
+)
+def test_command_line_beats_cuda_native_defaults(overrides, preset, impls):
+    for order in (["runtime=cuda_native", *overrides], [*overrides, "runtime=cuda_native"]):
+        cfg = compose_config(*order)
+        assert cfg.export.preset == preset and set(cfg.kernels.values()) == impls
+
+
+@pytest.mark.parametrize("runtime", ["reference", "host", "cuda_native"])
+def test_ablation_pins_kernels_in_every_row(runtime):
+    """The ablation compares runtimes and presets on the same kernels: cuda_native's Triton default must not leak
+    into its rows only (kernels=triton on the command line moves every row)."""
+    cfg = compose_config("experiment=copy_elision_ablation", f"runtime={runtime}")
+    assert set(cfg.kernels.values()) == {"torch"}
+    cfg = compose_config("experiment=copy_elision_ablation", f"runtime={runtime}", "kernels=triton")
+    assert set(cfg.kernels.values()) == {"triton"}
+
+
+def run_cli(*args, timeout=120, env=None):
+    return subprocess.run(
+        [sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 BAD_INPUT = [
@@ -57,16 +99,28 @@ BAD_INPUT = [
     (["sampling.tempreature=1"], "tempreature"),
     (["model.arch.hidden_size=0"], "model.arch.hidden_size"),
     (["model.checkpoint=/no/such/dir"], "/no/such/dir"),
+    # issue 14, section 3
+    (["sampling.temperature=inf"], "sampling.temperature"),
+    (["generation.stop_on_eos=maybe"], "generation.stop_on_eos"),
+    (["prompt.chat=true"], "prompt.chat"),
+    (["prompt.text=hello", "prompt.token_ids=[1,2]"], "prompt.token_ids"),
+    (["+foo=1"], "foo: unknown key"),
+    (["kernels=triton"], "TRITON_INTERPRET=1"),  # run without TRITON_INTERPRET: refused on a CPU machine
+    (["model=qwen35_moe_397b", "model.device=cpu"], "GB available"),  # 793 GB of weights: checked, not allocated
 ]
+# prompt.token_ids (ids against the model's vocab), the memory check and model.checkpoint fail after Hydra made the
+# run directory: run.py removes it again.
 
 
 @pytest.mark.parametrize("args,key", BAD_INPUT, ids=[a[0] for a, _ in BAD_INPUT])
 def test_bad_input_is_one_line_exit_2(args, key, tmp_path):
-    r = run_cli(*args, "logger=none", f"hydra.run.dir={tmp_path}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = run_cli(*args, "logger=none", f"hydra.run.dir={tmp_path / 'run'}", env=env)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert key in lines[0]
+    assert not (tmp_path / "run").exists()  # a run that measured nothing leaves no directory behind
 
 
 def test_help_is_fast():

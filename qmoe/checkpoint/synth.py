@@ -195,34 +195,84 @@ DEFAULTS = {
     "tokenizer": "false",
     "config_dir": str(REPO_ROOT / "configs"),
 }
+BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def main(argv: list[str]) -> None:
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: list[str]) -> dict:
+    """key=value arguments -> typed options; any bad one is a one-line error naming the key (exit code 2)."""
     args = dict(DEFAULTS)
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in {"model", "out", *DEFAULTS}:
-            sys.exit(f"unknown argument {arg!r}\nusage:{USAGE}")
+            fail(f"unknown argument {arg!r}; allowed: model=, out=, {'=, '.join(DEFAULTS)}= (--help for usage)")
         args[key] = value
-    if "model" not in args or "out" not in args:
-        sys.exit(f"model= and out= are required\nusage:{USAGE}")
+    for key in ("model", "out"):
+        if not args.get(key):
+            fail(f"{key}= is required (--help for usage)")
+    models = sorted(p.stem for p in (Path(args["config_dir"]) / "model").glob("*.yaml"))
+    if args["model"] not in models:
+        fail(f"model={args['model']}: not in {args['config_dir']}/model; allowed: {', '.join(models) or 'none'}")
+    opts = {"model": args["model"], "out": args["out"], "device": args["device"], "config_dir": args["config_dir"]}
+    for key, minimum in (("layers", 0), ("seed", 0)):
+        try:
+            opts[key] = int(args[key])
+        except ValueError:
+            fail(f"{key}={args[key]}: must be an integer >= {minimum}")
+        if opts[key] < minimum:
+            fail(f"{key}={args[key]}: must be an integer >= {minimum}")
+    try:
+        opts["shard_bytes"] = int(float(args["shard_gb"]) * 10**9)
+    except ValueError:
+        fail(f"shard_gb={args['shard_gb']}: must be a number of GB > 0")
+    if opts["shard_bytes"] <= 0:
+        fail(f"shard_gb={args['shard_gb']}: must be a number of GB > 0")
     dtype = getattr(torch, args["dtype"], None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        sys.exit(f"dtype={args['dtype']}: not a torch floating-point dtype")
-    cfg = model_config(args["model"], int(args["layers"]) or None, args["config_dir"])
+        fail(f"dtype={args['dtype']}: not a torch floating-point dtype (e.g. bfloat16, float16, float32)")
+    opts["dtype"] = dtype
+    if args["expert_layout"] not in EXPERT_LAYOUTS:
+        fail(f"expert_layout={args['expert_layout']}: allowed: {', '.join(EXPERT_LAYOUTS)}")
+    opts["expert_layout"] = args["expert_layout"]
+    if args["prefix"] not in (MULTIMODAL_PREFIX, TEXT_PREFIX):
+        fail(f"prefix={args['prefix']}: allowed: {MULTIMODAL_PREFIX}, {TEXT_PREFIX}")
+    opts["prefix"] = args["prefix"]
+    if args["tokenizer"].lower() not in BOOLS:
+        fail(f"tokenizer={args['tokenizer']}: must be true or false")
+    opts["tokenizer"] = BOOLS[args["tokenizer"].lower()]
+    try:
+        torch.device(args["device"])
+    except RuntimeError:
+        fail(f"device={args['device']}: must be cpu, cuda or cuda:N")
+    return opts
+
+
+def main(argv: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage:{USAGE}\n\n{__doc__.split(chr(10) * 2, 2)[2]}")
+        return
+    opts = parse_args(argv)
+    try:
+        cfg = model_config(opts["model"], opts["layers"] or None, opts["config_dir"])
+    except ValueError as e:  # the architecture numbers of the chosen config
+        fail(str(e).splitlines()[0])
     start = time.perf_counter()
     out = write_checkpoint(
         cfg,
-        args["out"],
-        seed=int(args["seed"]),
-        dtype=dtype,
-        expert_layout=args["expert_layout"],
-        prefix=args["prefix"],
-        shard_bytes=int(float(args["shard_gb"]) * 10**9),
-        device=args["device"],
+        opts["out"],
+        seed=opts["seed"],
+        dtype=opts["dtype"],
+        expert_layout=opts["expert_layout"],
+        prefix=opts["prefix"],
+        shard_bytes=opts["shard_bytes"],
+        device=opts["device"],
         progress=True,
     )
-    if args["tokenizer"].lower() in ("true", "1", "yes"):
+    if opts["tokenizer"]:
         write_tokenizer(out, cfg.vocab_size)
     total = json.loads((out / INDEX).read_text())["metadata"]["total_size"]
     print(f"wrote {out} ({total / 1e9:.2f} GB, {cfg.num_hidden_layers} layers) in {time.perf_counter() - start:.1f} s")

@@ -54,6 +54,22 @@ def describe(program: Program) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """Bad input (an unknown option or key, a bad export setting) is one line on stderr and exit code 2."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return
+    from hydra.errors import HydraException
+
+    from qmoe.settings import compose_error
+
+    try:
+        inspect(argv)
+    except (HydraException, ValueError) as e:  # ValueError: ExportError, ModelConfig's architecture checks
+        print(f"error: {compose_error(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def inspect(argv: list[str]) -> None:
     presets = [None] if any(a.startswith("export=") for a in argv) else PRESETS
     by_split = {}
     for preset in presets:

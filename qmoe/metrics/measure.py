@@ -28,6 +28,67 @@ def latency_stats(ttft_ms: float, decode_ms: list[float], decode_tokens: int, wa
     }
 
 
+def active_weight_bytes(config, dtype: torch.dtype) -> int:
+    """Weight bytes one decode step at batch 1 must read: the active parameters (routed top-k and shared experts,
+    mixers, router, norms, lm_head; the embedding is a row gather) in the weights' dtype."""
+    return config.param_counts()["active"] * dtype.itemsize
+
+
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of all the weights in `dtype`: what building or loading the model allocates."""
+    return config.param_counts()["total"] * dtype.itemsize
+
+
+_COPY_GBS: dict[str, float] = {}  # device -> measured copy bandwidth, once per process
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (read + write bytes) of a 256 MiB copy, median of 10 event-timed copies;
+    measured once per process and device (about 10 ms on an H200)."""
+    key = str(device)
+    if key not in _COPY_GBS:
+        nbytes = 256 * 2**20
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(10):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        _COPY_GBS[key] = 2 * nbytes / (sorted(times)[len(times) // 2] * 1e-3) / 1e9
+        del src, dst
+    return _COPY_GBS[key]
+
+
+def bandwidth_floor(config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None) -> dict:
+    """floor = active weight bytes per decode step (batch 1) / device copy bandwidth; the copy ceiling only on a
+    GPU (on the CPU there is no floor to report)."""
+    active = active_weight_bytes(config, dtype)
+    out = {"active_weight_bytes": active, "copy_gbs": None, "floor_ms": None, "fraction_of_decode_p50": None}
+    if device.type == "cuda":
+        gbs = copy_bandwidth_gbs(device)
+        floor_ms = active / (gbs * 1e9) * 1e3
+        out.update(copy_gbs=gbs, floor_ms=floor_ms)
+        if decode_p50_ms:
+            out["fraction_of_decode_p50"] = floor_ms / decode_p50_ms
+    return out
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free bytes on `device`: the CUDA driver's free memory plus what PyTorch's caching allocator holds unused,
+    or the host's available RAM."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def reset_peak_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

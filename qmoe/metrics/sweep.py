@@ -24,6 +24,8 @@ COLUMNS = (
     "h2d_bytes_per_token",
     "d2h_per_token",
     "d2h_bytes_per_token",
+    "planned_h2d_bytes_per_token",
+    "planned_d2h_bytes_per_token",
     "prefill_h2d_bytes",
     "prefill_d2h_bytes",
     "ttft_ms",
@@ -40,6 +42,7 @@ def _row(job: str, results: dict) -> dict:
     setup = tr.get("setup", {})
     per = tr.get("per_decode_token", {})
     prefill = tr.get("prefill", {})
+    planned = setup.get("planned_per_decode_token")  # None: no exported program (the reference runner)
     return {
         "job": job,
         "runtime": cfg["runtime"]["name"],
@@ -51,6 +54,8 @@ def _row(job: str, results: dict) -> dict:
         "h2d_bytes_per_token": per.get("h2d", {}).get("bytes"),
         "d2h_per_token": per.get("d2h", {}).get("count"),
         "d2h_bytes_per_token": per.get("d2h", {}).get("bytes"),
+        "planned_h2d_bytes_per_token": None if planned is None else planned.get("h2d", {}).get("bytes", 0),
+        "planned_d2h_bytes_per_token": None if planned is None else planned.get("d2h", {}).get("bytes", 0),
         "prefill_h2d_bytes": prefill.get("h2d", {}).get("bytes"),
         "prefill_d2h_bytes": prefill.get("d2h", {}).get("bytes"),
         "ttft_ms": lat["ttft_ms"],
@@ -99,10 +104,20 @@ def markdown(rows: list[dict]) -> str:
 
     ran = [r for r in rows if r["status"] == "ok"]
     not_ran = [r for r in rows if r["status"] != "ok"]
-    lines = ["Transfers per generated token (decode), latency in ms, warm-up excluded:", ""] + table(RAN, ran)
+    lines = [
+        "Transfers per generated token (decode), latency in ms, warm-up excluded. planned_*: what the export plan "
+        "moves per token on a GPU (planned, not moved without CUDA):",
+        "",
+    ] + table(RAN, ran)
     if not_ran:
         lines += ["", f"Not run ({len(not_ran)}):", ""] + table(NOT_RAN, not_ran)
     return "\n".join(lines) + "\n"
+
+
+def latest_sweep(*roots) -> Path | None:
+    """The newest sweep directory (one with a summary.md) under <root>/multirun of the given roots."""
+    found = [p.parent for root in roots for p in Path(root, "multirun").glob("*/*/summary.md")]
+    return max(found, key=lambda p: (p.parent.name, p.name)) if found else None
 
 
 def write_summary(sweep_dir) -> str:

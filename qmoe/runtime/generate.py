@@ -92,6 +92,7 @@ class Generation:
     ttft_ms: float
     decode_ms: list[float] = field(default_factory=list)  # one entry per decode step
     decode_tokens: int = 0  # generated tokens produced by decode steps, all rows
+    interrupted: bool = False  # Ctrl-C during decode: what was generated and timed until then
 
 
 def _check_tokens(tokens: torch.Tensor, step: int) -> None:
@@ -128,18 +129,23 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, eos_ids=(), 
     total_steps = longest - shortest + max_new_tokens - 1
     bar = tqdm(total=total_steps, desc="decode", disable=not progress, unit="step")
     pos = shortest
-    while not all(done):
-        forced = None
-        if pos < longest:  # some rows are still reading their prompt
-            forced = torch.tensor([p[pos] if pos < len(p) else -1 for p in prompts], dtype=torch.int64)
-        t0 = time.perf_counter()
-        tokens = runner.step(forced)  # the host read of the token ids synchronises the device
-        gen.decode_ms.append((time.perf_counter() - t0) * 1e3)
-        pos += 1
-        _check_tokens(tokens, len(gen.decode_ms))
-        before = sum(map(len, out))
-        take(tokens, pos)
-        gen.decode_tokens += sum(map(len, out)) - before
-        bar.update()
-    bar.close()
+    try:
+        while not all(done):
+            forced = None
+            if pos < longest:  # some rows are still reading their prompt
+                forced = torch.tensor([p[pos] if pos < len(p) else -1 for p in prompts], dtype=torch.int64)
+            t0 = time.perf_counter()
+            tokens = runner.step(forced)  # the host read of the token ids synchronises the device
+            step_ms = (time.perf_counter() - t0) * 1e3
+            pos += 1
+            _check_tokens(tokens, len(gen.decode_ms) + 1)
+            before = sum(map(len, out))
+            take(tokens, pos)
+            gen.decode_ms.append(step_ms)  # a step counts once its tokens are taken: the record stays consistent
+            gen.decode_tokens += sum(map(len, out)) - before
+            bar.update()
+    except KeyboardInterrupt:
+        gen.interrupted = True
+    finally:
+        bar.close()
     return gen
