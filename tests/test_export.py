@@ -22,7 +22,7 @@ from tests.test_export_planning import assert_no_live_overlap
 from tests.test_model import TINY
 
 B, S, V = 2, 32, TINY["vocab_size"]  # batch rows, max_seq_len, vocab
-PRESET_FLAGS = {
+PRESET_FLAGS = {  # configs/export/<preset>.yaml, as flags (test_presets_compose checks them)
     "baseline": {},
     "device_planned": {"device_memory_planning": True},
     "copy_elided": {

@@ -163,12 +163,12 @@ class Method:
             env[node] = buf if buf.data_ptr() == x.data_ptr() else transfer(buf, x, space, space, ledger, self.name, "runner")
         for node in self.nodes:
             if is_copy(node):
-                src = env[node.args[0]]
-                if self.allocations[node.name].alias_of is not None:
-                    env[node] = src  # source and destination on one device: nothing to move
+                src, src_space, dst_space = env[node.args[0]], node.args[0].meta["qmoe_device"], node.meta["qmoe_device"]
+                if src_space == dst_space:
+                    env[node] = src  # a CPU delegate: planned in its source's bytes, nothing to move
                     continue
-                dst, src_space = self.buffer(node.name, src.shape), node.args[0].meta["qmoe_device"]
-                env[node] = transfer(dst, src, src_space, node.meta["qmoe_device"], ledger, self.name, "copy_node")
+                dst = self.buffer(node.name, src.shape)
+                env[node] = transfer(dst, src, src_space, dst_space, ledger, self.name, "copy_node")
             elif node.target is call_delegate:
                 args = [self._to_delegate(a, env[a], ledger) for a in node.args]
                 # a delegate output on the delegate's side is written by the delegate into its planned buffer
