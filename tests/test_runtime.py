@@ -15,8 +15,8 @@ from compose import compose_config
 
 from qmoe.app import run_experiment
 from qmoe.export import ExportError, ExportSettings
-from qmoe.model import ModelConfig, build_model
 from qmoe.export.program import DELEGATE_RANGE
+from qmoe.model import ModelConfig, build_model
 from qmoe.runtime.combos import combination_error, resolve_cuda_graph
 from qmoe.runtime.cuda_native import CudaNativeRunner
 from qmoe.runtime.executor import Exports, build_program

@@ -158,12 +158,14 @@ class Method:
         env = {}
         for node, x in zip(self.inputs, inputs):
             self._check_input(node, x)
-            buf = self.buffer(node.name, x.shape)
-            space = node.meta["qmoe_device"]
-            env[node] = buf if buf.data_ptr() == x.data_ptr() else transfer(buf, x, space, space, ledger, self.name, "runner")
+            buf, space = self.buffer(node.name, x.shape), node.meta["qmoe_device"]
+            if buf.data_ptr() != x.data_ptr():  # not passed in its planned buffer: one more copy, the caller's
+                transfer(buf, x, space, space, ledger, self.name, "runner")
+            env[node] = buf
         for node in self.nodes:
             if is_copy(node):
-                src, src_space, dst_space = env[node.args[0]], node.args[0].meta["qmoe_device"], node.meta["qmoe_device"]
+                src, src_space = env[node.args[0]], node.args[0].meta["qmoe_device"]
+                dst_space = node.meta["qmoe_device"]
                 if src_space == dst_space:
                     env[node] = src  # a CPU delegate: planned in its source's bytes, nothing to move
                     continue
@@ -254,5 +256,7 @@ def load_program(directory, model, weights_identity: dict) -> Program:
     program = Program(saved.exported, model, saved.settings, saved.batch_size, saved.max_seq_len)
     program.kernels = saved.kernels  # the ops the saved graphs call, whatever the model selects now
     if program.plan.to_json() != saved.plan_json:
-        raise ExportError(f"refusing program {directory}: plan.json is not the plan of the saved methods under this code")
+        raise ExportError(
+            f"refusing program {directory}: plan.json is not the plan of the saved methods under this code"
+        )
     return program

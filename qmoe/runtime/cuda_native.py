@@ -6,9 +6,10 @@ next step's token buffer and forward's logits in sample's logits buffer (methods
 the runner passes them on as they are. Which of those buffers sit on the GPU is the export preset's choice:
 with copy_elided all of them do, and the only per-step transfer is the token ids read back (8 bytes per row)
 for EOS checks and streaming (no H2D, no D2D); with device_planned / baseline the method boundaries are on the
-host and the copy nodes / the delegate move them every call. Splits: split (forward + sample) or fused (prefill + decode).
+host and the copy nodes / the delegate move them every call. Splits: split (forward + sample) or fused
+(prefill + decode).
 The config refuses it without CUDA (settings.validate); the class itself runs the same loop on a CPU delegate,
-which is how the CPU tests check its tokens.
+which is how the CPU tests check its tokens, and on the staged CPU delegate (cpu:1), its ledger.
 """
 
 import torch

@@ -8,8 +8,8 @@ used) or forward_only.
 import torch
 
 from kernels.sampling import naive
-from qmoe.runtime.executor import ProgramRunner
 from qmoe.runtime.combos import split_error
+from qmoe.runtime.executor import ProgramRunner
 from qmoe.runtime.generate import sampling_tensors
 from qmoe.runtime.ledger import HOST
 from qmoe.settings import ConfigError
