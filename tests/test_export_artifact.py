@@ -8,7 +8,7 @@ import torch
 
 from qmoe.export import ExportError, ExportSettings, export_program, load_program
 from qmoe.export.artifact import _canonical, _sha256_bytes, sha256_file
-from qmoe.model import ModelConfig, build_model
+from tests.test_export import tiny_model
 from tests.test_model import TINY
 
 B, S = 1, 16
@@ -18,9 +18,7 @@ SETTINGS = ExportSettings(preset="device_planned", method_split="fused", device_
 
 @pytest.fixture(scope="module")
 def model():
-    model = build_model(ModelConfig(**TINY), torch.float32, "cpu", seed=0)
-    model.setup_caches(B, S)
-    return model
+    return tiny_model(B, S)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +115,6 @@ def test_plan_recomputed_on_load_must_match(model, saved, tmp_path):
 
 
 def test_caches_must_match(saved):
-    other = build_model(ModelConfig(**TINY), torch.float32, "cpu", seed=0)
-    other.setup_caches(B + 1, S)
+    other = tiny_model(B + 1, S)
     with pytest.raises(ExportError, match="setup_caches"):
         load_program(saved[1], other, IDENTITY)

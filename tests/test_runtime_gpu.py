@@ -1,7 +1,8 @@
 """GPU: every runnable runtime x export preset x method split x CUDA graph at Qwen3.5-35B-A3B dims (4 layers,
 random bf16 weights, Triton kernels): greedy tokens identical to the reference runner; the ledger equals the
-design table below per decode step and the profiler's HtoD/DtoH memcpys (count and bytes) in prefill and
-decode; CUDA-graph rows make no device allocation per decode step, eager rows no new cudaMalloc."""
+design table (tests/test_runtime.expected_decode_step, also checked on the staged CPU delegate) per decode step
+and the profiler's HtoD/DtoH/DtoD memcpys outside the delegates (count and bytes) in prefill and decode;
+CUDA-graph rows make no device allocation per decode step, eager rows no new cudaMalloc."""
 
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from qmoe.runtime.ledger import TransferLedger
 from qmoe.runtime.profile import ledger_totals, profiled_memcpys
 from qmoe.runtime.runners import make_runner
 from qmoe.settings import SamplingSettings
+from tests.test_runtime import expected_decode_step
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,22 +43,6 @@ COMBOS = [
 def export_settings(preset: str, split: str) -> ExportSettings:
     cfg = yaml.safe_load((ROOT / f"configs/export/{preset}.yaml").read_text())
     return ExportSettings.from_cfg({**cfg, "method_split": split})
-
-
-def expected_decode_step(runtime: str, split: str, preset: str, V: int) -> dict:
-    """Host<->device copies of one decode step (batch B), by design:
-    tokens and positions are 8 B per row, logits 4 V B per row, the six sampling inputs 36 B per row."""
-    tok, logits, params = 8 * B, 4 * V * B, 36 * B
-    if runtime == "reference" or (runtime == "cuda_native" and preset == "copy_elided"):
-        table = (0, 0, 1, tok)  # the token ids read back
-    elif runtime == "host":  # token + position up (runner, copy nodes or delegate), logits down
-        table = (2, 2 * tok, 1, logits)
-    elif split == "split":  # forward: token, position up, logits down; sample: logits + params up, token down
-        table = (9, 2 * tok + logits + params, 2, logits + tok)
-    else:  # decode: token, position, params up, token down
-        table = (8, 2 * tok + params, 1, tok)
-    h, hb, d, db = table
-    return {"h2d": {"count": h, "bytes": hb}, "d2h": {"count": d, "bytes": db}}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +80,7 @@ def test_runtime_combination(model, prompts, reference_tokens, runtime, split, p
     _, decode = profiled_memcpys(lambda: [runner.step(None) for _ in range(STEPS)])
     assert ledger_totals(ledger, "prefill") == prefill
     assert ledger_totals(ledger, "decode") == decode
-    per_step = expected_decode_step(runtime, split, preset, model.config.vocab_size)
+    per_step = expected_decode_step(runtime, split, preset, B, model.config.vocab_size)
     assert decode == {d: {k: v * STEPS for k, v in per_step[d].items()} for d in per_step}
 
     allocations = decode_allocations(runner, prompt, STEPS)
@@ -112,4 +98,8 @@ def test_cuda_native_copy_elided_app_defaults_to_graphs(tmp_path):
     cfg = compose_config("runtime=cuda_native", "export=copy_elided", "logger=none", "generation.max_new_tokens=8")
     r = run_experiment(cfg, run_dir=tmp_path)
     assert r["transfers"]["setup"]["cuda_graph"] is True
-    assert r["transfers"]["per_decode_token"] == {"h2d": {"count": 0, "bytes": 0}, "d2h": {"count": 1, "bytes": 8}}
+    assert r["transfers"]["per_decode_token"] == {
+        "h2d": {"count": 0, "bytes": 0},
+        "d2h": {"count": 1, "bytes": 8},
+        "d2d": {"count": 0, "bytes": 0},
+    }

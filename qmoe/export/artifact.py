@@ -16,12 +16,12 @@ one-line ExportError.
 import hashlib
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.export import ExportedProgram
 
-from qmoe.export.program import Program
-from qmoe.export.settings import ExportError, ExportSettings, device_name
+from qmoe.export.settings import ExportError, ExportSettings
 
 FORMAT_VERSION = 1
 
@@ -63,7 +63,8 @@ def _without_weights(ep: ExportedProgram) -> ExportedProgram:
     )
 
 
-def save_program(program: Program, directory, weights_identity: dict) -> Path:
+def save_program(program, directory, weights_identity: dict) -> Path:
+    """Write `program` (a qmoe.export.Program) into `directory` -> its Path."""
     directory = Path(directory)
     (directory / "methods").mkdir(parents=True, exist_ok=True)
     files = {
@@ -98,8 +99,17 @@ def _refuse(directory: Path, why: str):
     raise ExportError(f"refusing program {directory}: {why}")
 
 
-def load_program(directory, model, weights_identity: dict) -> Program:
-    """The program saved in `directory`, bound to `model` (caches set up for the saved batch and length)."""
+class SavedProgram(NamedTuple):
+    exported: dict  # method -> ExportedProgram (weights as meta tensors, bound to the model by Program)
+    settings: ExportSettings
+    batch_size: int
+    max_seq_len: int
+    kernels: dict
+    plan_json: str  # the saved plan: the caller checks it against the plan it makes from `exported`
+
+
+def read_program(directory, model, weights_identity: dict) -> SavedProgram:
+    """The checked contents of a program directory for `model` (caches set up for the saved batch and length)."""
     directory = Path(directory)
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
@@ -118,17 +128,14 @@ def load_program(directory, model, weights_identity: dict) -> Program:
         _refuse(directory, f"weights {weights_identity} are not the exported {manifest['weights_identity']}")
     if manifest["model_config"] != model.config.to_dict():
         _refuse(directory, "the model config differs from the exported one")
-    if manifest["delegate_device"] != device_name(model.device):
+    settings = ExportSettings.from_cfg(json.loads((directory / "export_config.json").read_text()))
+    if manifest["delegate_device"] != settings.resolve_delegate_device(model.device):
         _refuse(
             directory, f"exported for delegate device {manifest['delegate_device']}, the model is on {model.device}"
         )
     batch_size, max_seq_len = manifest["batch_size"], manifest["max_seq_len"]
     if model.batch_size != batch_size or model.max_seq_len < max_seq_len:
         _refuse(directory, f"call model.setup_caches({batch_size}, {max_seq_len}) before loading")
-    settings = ExportSettings.from_cfg(json.loads((directory / "export_config.json").read_text()))
     exported = {m: torch.export.load(directory / "methods" / f"{m}.pt2") for m in manifest["methods"]}
-    program = Program(exported, model, settings, batch_size, max_seq_len)
-    program.kernels = manifest["kernels"]  # the ops the saved graphs call, whatever the model selects now
-    if program.plan.to_json() != (directory / "plan.json").read_text():
-        _refuse(directory, "plan.json is not the plan of the saved methods under this code")
-    return program
+    plan_json = (directory / "plan.json").read_text()
+    return SavedProgram(exported, settings, batch_size, max_seq_len, manifest["kernels"], plan_json)

@@ -31,6 +31,14 @@ INPUT_NAMES = {
     "decode": ("tokens", "input_pos", *SAMPLING_NAMES),
 }
 OUTPUT_NAMES = {"forward": ("logits",), "sample": ("token",), "prefill": ("token",), "decode": ("token",)}
+# (method, output) -> (method, input) that takes it next: forward's logits are what sample samples, a sampled
+# token is the next decode step's tokens. The planner puts each pair in one slot (same device permitting).
+FEEDS = {
+    ("forward", "logits"): ("sample", "logits"),
+    ("sample", "token"): ("forward", "tokens"),
+    ("prefill", "token"): ("decode", "tokens"),
+    ("decode", "token"): ("decode", "tokens"),
+}
 
 
 class Forward(nn.Module):

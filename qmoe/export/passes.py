@@ -1,4 +1,4 @@
-"""Passes over a method's top-level graph: partition, device propagation, H2D/D2H copy nodes, round trips.
+"""Passes over a method's top-level graph: partition, device propagation, H2D/D2H copy nodes.
 
 After torch.export, `partition` builds the method's top-level torch.fx graph (ExecuTorch's view of a lowered
 method): placeholders for the method inputs, one `call_delegate` node that runs the part placed on the target
@@ -9,8 +9,9 @@ delegate output, and the output node. Every tensor-producing node then carries i
   qmoe_device:    "cpu" for host tensors, the delegate device (e.g. "cuda:0") for delegate tensors
 With device memory planning on, `insert_copy_nodes` puts an explicit `h2d_copy` before each delegate input
 that comes from the host and a `d2h_copy` after each delegate output consumed on the host (a method output
-counts as consumed on the host unless its D2H is skipped); `remove_round_trips` folds h2d(d2h(x)) on one
-device back to x. With planning off the delegate node is marked `qmoe_self_copies`: it copies its host inputs
+counts as consumed on the host unless its D2H is skipped). A method holds one delegate, so no h2d(d2h(x)) round
+trip can form inside a method; between methods, an output fed to the next method's input shares its planned
+slot instead (planning.py). With planning off the delegate node is marked `qmoe_self_copies`: it copies its host inputs
 in and its outputs out itself, on every call. Devices are metadata, so CPU-only tests can check all of this.
 """
 
@@ -40,14 +41,14 @@ class TensorSpec:
         return torch.Size(self.shape).numel() * self.torch_dtype.itemsize
 
 
-def h2d_copy(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Copy node: a host tensor into its planned buffer on the delegate device."""
-    return out.copy_(src)
+def h2d_copy(src: torch.Tensor) -> torch.Tensor:
+    """Marks a copy node: a host tensor into its planned buffer on the delegate device (Method runs it)."""
+    raise RuntimeError("h2d_copy marks a copy node in a method graph; Method runs it")
 
 
-def d2h_copy(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Copy node: a delegate tensor into its planned buffer on the host."""
-    return out.copy_(src)
+def d2h_copy(src: torch.Tensor) -> torch.Tensor:
+    """Marks a copy node: a delegate tensor into its planned buffer on the host (Method runs it)."""
+    raise RuntimeError("d2h_copy marks a copy node in a method graph; Method runs it")
 
 
 def call_delegate(*args):
@@ -161,30 +162,13 @@ def insert_copy_nodes(gm: fx.GraphModule, settings: ExportSettings, delegate_dev
     return gm
 
 
-def remove_round_trips(gm: fx.GraphModule) -> fx.GraphModule:
-    """h2d(d2h(x)) where x already lives on the h2d's destination device -> x; dead d2h nodes removed."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is h2d_copy:
-            src = node.args[0]
-            if is_copy(src) and src.target is d2h_copy and src.args[0].meta["qmoe_device"] == node.meta["qmoe_device"]:
-                node.replace_all_uses_with(src.args[0])
-                graph.erase_node(node)
-    for node in reversed(list(graph.nodes)):
-        if is_copy(node) and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    return gm
-
-
 def lower_method(
     method: str, ep: ExportedProgram, input_names, output_names, settings: ExportSettings, delegate_device: str
 ) -> fx.GraphModule:
-    """partition -> propagate_devices -> insert_copy_nodes -> remove_round_trips."""
+    """partition -> propagate_devices -> insert_copy_nodes."""
     gm = partition(method, ep, input_names, output_names)
     gm = propagate_devices(gm, settings, delegate_device)
-    gm = insert_copy_nodes(gm, settings, delegate_device)
-    return remove_round_trips(gm)
+    return insert_copy_nodes(gm, settings, delegate_device)
 
 
 def copy_nodes(gm: fx.GraphModule) -> list[dict]:

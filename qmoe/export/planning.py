@@ -7,7 +7,10 @@ Method inputs and outputs are pinned (live for the whole program: they are the s
 CUDA graph bind to, and an output stays valid until its method runs again); every other tensor lives from
 the node that makes it to its last use, so tensors of different methods, or with disjoint lifetimes in one
 method, share bytes. A copy node whose source already sits on its destination device (a CPU delegate) is a
-no-op: it aliases its source instead of taking memory. Dynamic dims are planned at their upper bound.
+no-op: it aliases its source instead of taking memory. A method output that another method takes as input
+(methods.FEEDS: forward's logits are sample's, a sampled token is the next step's tokens) is planned into that
+input's bytes when both sit on one device, so handing it over copies nothing. Dynamic dims are planned at their
+upper bound.
 """
 
 import json
@@ -15,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 from torch import fx
 
-from qmoe.export.passes import copy_nodes, is_copy
+from qmoe.export.methods import FEEDS, OUTPUT_NAMES
+from qmoe.export.passes import COPY_DIRECTIONS, copy_nodes, is_copy
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Allocation:
     offset: int
     start: int
     end: int
-    alias_of: str | None = None  # a no-op copy shares its source's bytes
+    alias_of: str | None = None  # key (method.tensor) whose bytes it uses: a no-op copy's source, a fed input
 
     @property
     def key(self) -> str:
@@ -91,53 +95,97 @@ class ProgramPlan:
         return cls(**d)
 
 
-def _role(node: fx.Node, is_output: bool) -> str:
-    if node.op == "placeholder":
-        return "input"
-    if is_output:
-        return "output"
-    if is_copy(node):
-        return node.name.split("_", 1)[0]
-    return "delegate_output"
+@dataclass
+class _Tensor:
+    """One planned tensor while planning: its node, role and lifetime, and the tensor whose bytes it uses."""
+
+    method: str
+    node: fx.Node
+    role: str  # input | output | h2d | d2h | delegate_output
+    start: int
+    end: int
+    root: "_Tensor | None" = None  # None: its own bytes
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}.{self.node.name}"
+
+    @property
+    def device(self) -> str:
+        return self.node.meta["qmoe_device"]
+
+    @property
+    def spec(self):
+        return self.node.meta["qmoe_spec"]
+
+    @property
+    def pinned(self) -> bool:
+        return self.role in ("input", "output")
+
+    def storage(self) -> "_Tensor":
+        return self if self.root is None else self.root.storage()
+
+
+def _tensors(method: str, gm: fx.GraphModule, t0: int) -> list[_Tensor]:
+    """The planned tensors of one method graph, timed from t0; a copy node on its source's device (a CPU
+    delegate) uses its source's bytes."""
+    nodes = list(gm.graph.nodes)
+    time = {n: t0 + i for i, n in enumerate(nodes)}
+    outputs = nodes[-1].args[0]
+    tensors: dict[fx.Node, _Tensor] = {}
+    for n in nodes:
+        if "qmoe_spec" not in n.meta:
+            continue
+        if n.op == "placeholder":
+            role = "input"
+        elif n in outputs:
+            role = "output"
+        else:
+            role = COPY_DIRECTIONS[n.target] if is_copy(n) else "delegate_output"
+        end = max((time[u] for u in n.users), default=time[n])
+        t = tensors[n] = _Tensor(method, n, role, time[n], end)
+        src = tensors.get(n.args[0]) if is_copy(n) else None
+        if src is not None and src.device == t.device:
+            t.root = src
+    return list(tensors.values())
+
+
+def _share_fed_inputs(graphs: dict[str, fx.GraphModule], tensors: list[_Tensor]) -> None:
+    """A method output that another method takes as input (methods.FEEDS) uses that input's bytes when both sit
+    on one device and it fits: the runner hands it over without a copy."""
+    by_key = {t.key: t for t in tensors}
+    for (producer, output), (consumer, name) in FEEDS.items():
+        if producer not in graphs or consumer not in graphs:
+            continue
+        out_node = next(iter(graphs[producer].graph.find_nodes(op="output"))).args[0][
+            OUTPUT_NAMES[producer].index(output)
+        ]
+        out, inp = by_key[f"{producer}.{out_node.name}"].storage(), by_key[f"{consumer}.{name}"]
+        fits = out.spec.dtype == inp.spec.dtype and out.spec.nbytes <= inp.spec.nbytes
+        if out.device == inp.device and fits and out is not inp.storage():
+            out.root = inp
 
 
 def plan_program(graphs: dict[str, fx.GraphModule], delegate_device: str, alignment: int) -> ProgramPlan:
     """Plan every method graph (after the device passes) into one arena per device."""
-    nodes = {}  # key -> (method, node, start, end, pinned)
-    roots = {}  # key -> key of the tensor whose bytes it uses
-    t0 = 0
-    order = []
+    tensors, t0 = [], 0
     for method, gm in graphs.items():
-        graph_nodes = list(gm.graph.nodes)
-        time = {n: t0 + i for i, n in enumerate(graph_nodes)}
-        output = graph_nodes[-1]
-        for n in graph_nodes:
-            if "qmoe_spec" not in n.meta:
-                continue
-            key = f"{method}.{n.name}"
-            end = max((time[u] for u in n.users), default=time[n])
-            nodes[key] = (method, n, time[n], end, n.op == "placeholder" or n in output.args[0])
-            src = n.args[0] if is_copy(n) else None
-            same_device = src is not None and src.meta["qmoe_device"] == n.meta["qmoe_device"]
-            roots[key] = roots[f"{method}.{src.name}"] if same_device else key
-            order.append(key)
-        t0 += len(graph_nodes)
-    horizon = t0
+        tensors += _tensors(method, gm, t0)
+        t0 += len(gm.graph.nodes)
+    _share_fed_inputs(graphs, tensors)
 
-    # Lifetime of each storage root: the union over the tensors that use its bytes; pinned covers all time.
-    span = {}
-    for key in order:
-        _, _, start, end, pinned = nodes[key]
-        if pinned:
-            start, end = 0, horizon
-        r = roots[key]
-        s, e = span.get(r, (start, end))
-        span[r] = (min(s, start), max(e, end))
+    # Lifetime of each storage: the union over the tensors that use its bytes; pinned covers all time.
+    span: dict[str, tuple[int, int]] = {}
+    for t in tensors:
+        start, end = (0, t0) if t.pinned else (t.start, t.end)
+        key = t.storage().key
+        s, e = span.get(key, (start, end))
+        span[key] = (min(s, start), max(e, end))
 
     by_device: dict[str, list[Request]] = {}
-    for r, (s, e) in span.items():
-        node = nodes[r][1]
-        by_device.setdefault(node.meta["qmoe_device"], []).append(Request(r, node.meta["qmoe_spec"].nbytes, s, e))
+    for t in tensors:
+        if t.root is None:
+            by_device.setdefault(t.device, []).append(Request(t.key, t.spec.nbytes, *span[t.key]))
     arenas, naive, offsets = {}, {}, {}
     for device, requests in sorted(by_device.items()):
         placed, arenas[device] = plan_arena(requests, alignment)
@@ -145,23 +193,21 @@ def plan_program(graphs: dict[str, fx.GraphModule], delegate_device: str, alignm
         naive[device] = sum(align(r.nbytes, alignment) for r in requests)
 
     allocations = []
-    for key in order:
-        method, n, start, end, pinned = nodes[key]
-        spec, r = n.meta["qmoe_spec"], roots[key]
-        s, e = span[r]
+    for t in tensors:
+        storage = t.storage().key
         allocations.append(
             Allocation(
-                method=method,
-                tensor=n.name,
-                role=_role(n, pinned and n.op != "placeholder"),
-                device=n.meta["qmoe_device"],
-                shape=list(spec.shape),
-                dtype=spec.dtype,
-                nbytes=spec.nbytes,
-                offset=offsets[r],
-                start=s,
-                end=e,
-                alias_of=None if r == key else r.split(".", 1)[1],
+                method=t.method,
+                tensor=t.node.name,
+                role=t.role,
+                device=t.device,
+                shape=list(t.spec.shape),
+                dtype=t.spec.dtype,
+                nbytes=t.spec.nbytes,
+                offset=offsets[storage],
+                start=span[storage][0],
+                end=span[storage][1],
+                alias_of=None if storage == t.key else storage,
             )
         )
     copies = {method: copy_nodes(gm) for method, gm in graphs.items()}

@@ -6,15 +6,21 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 
+from qmoe.export.artifact import read_program, save_program
 from qmoe.export.methods import INPUT_NAMES, OUTPUT_NAMES, export_methods
-from qmoe.export.passes import COPY_DIRECTIONS, call_delegate, is_copy, lower_method
+from qmoe.export.passes import call_delegate, is_copy, lower_method
 from qmoe.export.planning import ProgramPlan, plan_program
-from qmoe.export.settings import ExportError, ExportSettings, device_name
+from qmoe.export.settings import ExportError, ExportSettings, device_name, torch_device
+from qmoe.runtime.ledger import HOST, transfer
+
+DELEGATE_RANGE = "qmoe::delegate"  # profiler range of a delegate call: the memcpys inside it are its own work
 
 
 class Delegate:
     """A method's exported graph bound to the live model's weights and caches (by name, never copied):
-    delegate(*inputs on the delegate device) -> tuple of outputs. Caches are mutated in place."""
+    delegate(*inputs on the delegate device, out=buffers) -> tuple of outputs. Caches are mutated in place.
+    An output whose `out` buffer is given is written into it as the delegate's last step (the graph's ops have no
+    out= variants): it is part of the delegate, captured with it in a CUDA graph and inside its profiler range."""
 
     def __init__(self, method: str, ep: ExportedProgram, model):
         self.graph_module = ep.graph_module
@@ -42,12 +48,13 @@ class Delegate:
             else:
                 raise ExportError(f"method {method}: unsupported exported output kind {spec.kind.name}")
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         user = iter(inputs)
         outs = self.graph_module(*(next(user) if a is None else a for a in self.args))
         for i, buf in self.mutations:
             buf.copy_(outs[i])
-        return tuple(outs[i] for i in self.user_outputs)
+        out = out or [None] * len(self.user_outputs)
+        return tuple(outs[i] if buf is None else buf.copy_(outs[i]) for i, buf in zip(self.user_outputs, out))
 
 
 def _bind(method: str, target: str, live: dict, val, device) -> torch.Tensor:
@@ -63,28 +70,42 @@ def _bind(method: str, target: str, live: dict, val, device) -> torch.Tensor:
     return tensor
 
 
+def memory_space(t: torch.Tensor, arenas: dict | None) -> str:
+    """The memory space of `t`: the planned arena that holds its bytes, else its device ("cpu", "cuda:0")."""
+    ptr = t.data_ptr()
+    for space, arena in (arenas or {}).items():
+        if arena.device == t.device and arena.data_ptr() <= ptr < arena.data_ptr() + arena.numel():
+            return space
+    return device_name(t.device)
+
+
 class Method:
     """One method of a Program: `method(*inputs, ledger=None) -> tuple of outputs`.
 
     Inputs are copied into their planned buffers (no copy when the caller passes the buffer itself: fill
     `input_buffer(name, shape)` in place); outputs are views into the planned arena, valid until this method
-    runs again. Copy nodes copy between planned buffers and are recorded in the ledger ("copy_node"); with
-    planning off the delegate moves its host inputs to its device and its outputs back itself, recorded as
-    "delegate". A copy whose
-    source already sits on its destination device (a CPU delegate) is a no-op: it moves no bytes and records
-    nothing, exactly like the memcpy a profiler would (not) see. `delegate` may be swapped for any callable
-    with the same signature (e.g. a CUDA graph replay): with planning on it is always called with the same
-    planned buffers (`delegate_inputs`) when the shapes are static.
+    (or, for a fed output, the method it feeds) runs again. Copy nodes copy between planned buffers and are
+    recorded in the ledger ("copy_node"); with planning off the delegate moves its host inputs to its device and
+    its outputs back itself, recorded as "delegate"; an input passed on the delegate device but not in its
+    planned buffer costs a device-to-device copy, recorded as "runner". A copy whose source already sits on its
+    destination device (a CPU delegate) is a no-op: it moves no bytes and records nothing, exactly like the
+    memcpy a profiler would (not) see. `delegate` may be swapped for any callable with the same signature (e.g.
+    a CUDA graph replay): with planning on it is always called with the same planned buffers (`delegate_inputs`,
+    and `out`) when the shapes are static.
     """
 
     def __init__(self, name: str, graph: fx.GraphModule, plan: ProgramPlan, arenas, delegate, device: str):
         self.name, self.graph, self.plan, self.delegate = name, graph, plan, delegate
-        self.device = device  # the delegate device
+        self.device = device  # the delegate device (memory space)
         self.arenas = arenas  # device -> uint8 tensor (the Program's dict: replacing an entry re-binds), or None
         self.allocations = {a.tensor: a for a in plan.allocations if a.method == name}
         self.nodes = list(graph.graph.nodes)
         self.inputs = [n for n in self.nodes if n.op == "placeholder"]
         self.delegate_node = next(n for n in self.nodes if n.target is call_delegate)
+        self.results = [n for n in self.nodes if n.target is operator.getitem]  # the delegate's outputs
+        for node in self.results:
+            if node.meta["qmoe_spec"].dynamic_dims:
+                raise ExportError(f"method {name}: output {node.name} has a dynamic shape; outputs are planned static")
 
     @property
     def input_names(self) -> list[str]:
@@ -113,14 +134,14 @@ class Method:
         return [self.buffer(a.name, s) for a, s in zip(self.delegate_node.args, shapes)]
 
     def _check_input(self, node: fx.Node, x: torch.Tensor) -> None:
-        spec, device = node.meta["qmoe_spec"], torch.device(node.meta["qmoe_device"])
+        spec, space = node.meta["qmoe_spec"], node.meta["qmoe_device"]
         where = f"method {self.name} input {node.name}"
         if not isinstance(x, torch.Tensor):
             raise ExportError(f"{where}: expected a tensor, got {type(x).__name__}")
-        if x.device != device:
+        if memory_space(x, self.arenas) != space:
             why = "export.skip_h2d_for_method_inputs is set" if node.meta["qmoe_placement"] == "delegate" else ""
             why = why or "inputs live on the CPU unless export.skip_h2d_for_method_inputs is set"
-            raise ExportError(f"{where} must be on {device} ({why}), got {x.device}")
+            raise ExportError(f"{where} must be on {space} ({why}), got {memory_space(x, self.arenas)}")
         if x.dtype != spec.torch_dtype or x.dim() != len(spec.shape):
             expected = f"{spec.dtype} of rank {len(spec.shape)}"
             raise ExportError(f"{where}: expected {expected}, got {x.dtype} {tuple(x.shape)}")
@@ -137,36 +158,37 @@ class Method:
         env = {}
         for node, x in zip(self.inputs, inputs):
             self._check_input(node, x)
-            buf = self.buffer(node.name, x.shape)
-            if buf.data_ptr() != x.data_ptr():
-                buf.copy_(x)
+            buf, space = self.buffer(node.name, x.shape), node.meta["qmoe_device"]
+            if buf.data_ptr() != x.data_ptr():  # not passed in its planned buffer: one more copy, the caller's
+                transfer(buf, x, space, space, ledger, self.name, "runner")
             env[node] = buf
         for node in self.nodes:
             if is_copy(node):
-                src = env[node.args[0]]
-                if self.allocations[node.name].alias_of is not None:
-                    env[node] = src  # source and destination on one device: nothing to move
+                src, src_space = env[node.args[0]], node.args[0].meta["qmoe_device"]
+                dst_space = node.meta["qmoe_device"]
+                if src_space == dst_space:
+                    env[node] = src  # a CPU delegate: planned in its source's bytes, nothing to move
                     continue
-                env[node] = node.target(src, self.buffer(node.name, src.shape))
-                if ledger is not None:
-                    ledger.record(COPY_DIRECTIONS[node.target], src.nbytes, self.name, "copy_node")
+                dst = self.buffer(node.name, src.shape)
+                env[node] = transfer(dst, src, src_space, dst_space, ledger, self.name, "copy_node")
             elif node.target is call_delegate:
-                env[node] = self.delegate(*(self._to_delegate(env[a], ledger) for a in node.args))
-            elif node.target is operator.getitem:
-                out = env[node.args[0]][node.args[1]]
-                buf = self.buffer(node.name, out.shape)
-                if ledger is not None and buf.device != out.device:  # planning off: the delegate copies out
-                    ledger.record("d2h", out.nbytes, self.name, "delegate")
-                env[node] = buf.copy_(out)
+                args = [self._to_delegate(a, env[a], ledger) for a in node.args]
+                # a delegate output on the delegate's side is written by the delegate into its planned buffer
+                out = [self.buffer(r.name) if r.meta["qmoe_device"] == self.device else None for r in self.results]
+                with torch.profiler.record_function(DELEGATE_RANGE):
+                    outs = self.delegate(*args, out=out)
+                for r, buf, value in zip(self.results, out, outs):  # planning off: the delegate copies out
+                    if buf is None:
+                        buf = transfer(self.buffer(r.name), value, self.device, HOST, ledger, self.name, "delegate")
+                    env[r] = buf
         return tuple(env[n] for n in self.nodes[-1].args[0])
 
-    def _to_delegate(self, x: torch.Tensor, ledger) -> torch.Tensor:
-        """Planning off: the delegate copies a host input to its device itself, on every call."""
-        if x.device == torch.device(self.device):
+    def _to_delegate(self, node: fx.Node, x: torch.Tensor, ledger) -> torch.Tensor:
+        """Planning off: the delegate copies a host input to its own memory itself, on every call."""
+        if node.meta["qmoe_device"] == self.device:
             return x
-        if ledger is not None:
-            ledger.record("h2d", x.nbytes, self.name, "delegate")
-        return x.to(self.device)
+        dst = torch.empty_like(x, device=torch_device(self.device))
+        return transfer(dst, x, node.meta["qmoe_device"], self.device, ledger, self.name, "delegate")
 
 
 class Program:
@@ -187,10 +209,12 @@ class Program:
             for m, ep in exported.items()
         }
         self.plan = plan_program(self.graphs, self.delegate_device, settings.alignment)
-        self.executable = self.delegate_device == device_name(model.device)
+        self.executable = torch_device(self.delegate_device) == torch_device(device_name(model.device))
         self.arenas = None
         if self.executable:  # allocated once, at load: every call reuses these bytes
-            self.arenas = {d: torch.empty(size, dtype=torch.uint8, device=d) for d, size in self.plan.arenas.items()}
+            self.arenas = {
+                d: torch.empty(size, dtype=torch.uint8, device=torch_device(d)) for d, size in self.plan.arenas.items()
+            }
         self.methods = {
             m: Method(
                 m,
@@ -203,10 +227,12 @@ class Program:
             for m, gm in self.graphs.items()
         }
 
+    def space_of(self, t: torch.Tensor) -> str:
+        """The memory space that holds `t`: one of the planned arenas, else its device."""
+        return memory_space(t, self.arenas)
+
     def save(self, directory, weights_identity: dict):
         """Write the self-describing program directory (see artifact.py) -> its Path."""
-        from qmoe.export.artifact import save_program  # artifact builds on Program
-
         return save_program(self, directory, weights_identity)
 
 
@@ -221,3 +247,16 @@ def export_program(model, settings: ExportSettings, batch_size: int, max_seq_len
     return Program(
         export_methods(model, settings.method_split, batch_size, max_seq_len), model, settings, batch_size, max_seq_len
     )
+
+
+def load_program(directory, model, weights_identity: dict) -> Program:
+    """The program saved in `directory`, bound to `model` (caches set up for the saved batch and length);
+    ExportError on anything changed since export (artifact.py)."""
+    saved = read_program(directory, model, weights_identity)
+    program = Program(saved.exported, model, saved.settings, saved.batch_size, saved.max_seq_len)
+    program.kernels = saved.kernels  # the ops the saved graphs call, whatever the model selects now
+    if program.plan.to_json() != saved.plan_json:
+        raise ExportError(
+            f"refusing program {directory}: plan.json is not the plan of the saved methods under this code"
+        )
+    return program

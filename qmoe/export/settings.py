@@ -26,7 +26,9 @@ class ExportSettings:
     # bool, or a per-method map {forward: true, sample: false}; methods not named are not skipped.
     skip_h2d_for_method_inputs: bool | dict = False
     skip_d2h_for_method_outputs: bool | dict = False
-    delegate_device: str = "auto"  # auto = the model's device; anything else is a label (plan only)
+    # auto = the model's device; "cpu:1" on a CPU model = a staged CPU delegate (its own memory space, real
+    # copies); a device the model is not on is a label (plan only)
+    delegate_device: str = "auto"
     alignment: int = 256  # bytes; every planned tensor starts at a multiple of it
 
     def __post_init__(self):
@@ -92,6 +94,13 @@ def device_name(device: torch.device | str) -> str:
     """'cuda' -> 'cuda:0', 'cpu' -> 'cpu': one spelling per device."""
     device = torch.device(device)
     return f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+
+
+def torch_device(space: str) -> torch.device:
+    """The device that holds a memory space's bytes. "cpu:1" is a second CPU memory space: a CPU delegate with
+    staging buffers of its own, so its copy nodes copy between distinct host buffers and are counted."""
+    device = torch.device(space)
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _to_container(cfg) -> dict:

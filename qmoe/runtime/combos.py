@@ -1,9 +1,8 @@
 """Which runtime x export x cuda_graph combinations can run, and why not: one line each.
 
-Imports nothing heavy (no torch): the ablation sweeper checks every job with it before any model is built.
+Imports nothing heavy (no torch): the ablation sweeper checks every job with it before any model is built. The
+one source of these messages: the runners raise split_error's too.
 """
-
-METHOD_SPLITS = ("split", "fused", "forward_only")
 
 
 def resolve_cuda_graph(value, runtime: str, planning: bool, has_cuda: bool) -> bool:
@@ -15,10 +14,8 @@ def resolve_cuda_graph(value, runtime: str, planning: bool, has_cuda: bool) -> b
     return value
 
 
-def combination_error(runtime: str, method_split: str, planning: bool, cuda_graph, has_cuda: bool) -> str | None:
-    """None if the combination runs on this machine, else '<key>: <why>' (one line)."""
-    if runtime == "cuda_native" and not has_cuda:
-        return "runtime: cuda_native needs a CUDA device (use runtime=host or reference)"
+def split_error(runtime: str, method_split: str) -> str | None:
+    """None if `runtime` can drive the methods of `method_split`, else '<key>: <why>' (one line)."""
     if runtime == "host" and method_split == "fused":
         return (
             "runtime: host samples on the CPU and needs a forward method that returns logits "
@@ -29,6 +26,15 @@ def combination_error(runtime: str, method_split: str, planning: bool, cuda_grap
             "runtime: cuda_native samples on the device inside the program (export.method_split=split or fused); "
             "forward_only leaves sampling to the host (use runtime=host)"
         )
+    return None
+
+
+def combination_error(runtime: str, method_split: str, planning: bool, cuda_graph, has_cuda: bool) -> str | None:
+    """None if the combination runs on this machine, else '<key>: <why>' (one line)."""
+    if runtime == "cuda_native" and not has_cuda:
+        return "runtime: cuda_native needs a CUDA device (use runtime=host or reference)"
+    if error := split_error(runtime, method_split):
+        return error
     if cuda_graph is True:
         if runtime == "reference":
             return "runtime.cuda_graph: the reference runner runs the eager model; graphs capture an exported program"

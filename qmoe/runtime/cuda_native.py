@@ -1,19 +1,21 @@
 """The `cuda_native` runner: the loop state lives where the program takes it, and sampling runs in the program.
 
 Tokens, positions and sampling parameters are written once into the methods' planned input buffers and stay
-there: the positions and the sampler's step advance in place (`add_`), the sampled token is fed from the
-sample output buffer straight into the next step's token buffer, and logits go from `forward` to `sample`
-without the runner touching them. Which of those buffers sit on the GPU is the export preset's choice: with
-copy_elided all of them do, and the only per-step transfer is the token ids read back (8 bytes per row) for
-EOS checks and streaming; with device_planned / baseline the method boundaries are on the host and the copy
-nodes / the delegate move them every call. Splits: split (forward + sample) or fused (prefill + decode).
+there: the positions and the sampler's step advance in place (`add_`). The sampled token is planned in the
+next step's token buffer and forward's logits in sample's logits buffer (methods.FEEDS), so neither is copied:
+the runner passes them on as they are. Which of those buffers sit on the GPU is the export preset's choice:
+with copy_elided all of them do, and the only per-step transfer is the token ids read back (8 bytes per row)
+for EOS checks and streaming (no H2D, no D2D); with device_planned / baseline the method boundaries are on the
+host and the copy nodes / the delegate move them every call. Splits: split (forward + sample) or fused
+(prefill + decode).
 The config refuses it without CUDA (settings.validate); the class itself runs the same loop on a CPU delegate,
-which is how the CPU tests check its tokens.
+which is how the CPU tests check its tokens, and on the staged CPU delegate (cpu:1), its ledger.
 """
 
 import torch
 
 from qmoe.export import SAMPLING_NAMES
+from qmoe.runtime.combos import split_error
 from qmoe.runtime.executor import ProgramRunner
 from qmoe.settings import ConfigError, SamplingSettings
 
@@ -25,11 +27,8 @@ class CudaNativeRunner(ProgramRunner):
 
     def __init__(self, program, model, sampling: SamplingSettings, batch, ledger, cuda_graph: bool = True):
         self.split = program.settings.method_split
-        if self.split not in ("split", "fused"):
-            raise ConfigError(
-                "runtime: cuda_native samples on the device inside the program (export.method_split=split or "
-                f"fused); {self.split} leaves sampling to the host (use runtime=host)"
-            )
+        if error := split_error(self.name, self.split):
+            raise ConfigError(error)
         # prefill-phase and decode-phase method of each split: they read the same or their own input buffers
         self.first, self.next = self.METHODS[self.split][:2]
         super().__init__(program, model, batch, ledger, cuda_graph, graphed=self.METHODS[self.split][1:])
@@ -56,10 +55,9 @@ class CudaNativeRunner(ProgramRunner):
             (token,) = m(tokens, input_pos, *params, step, ledger=self.ledger)
             return token
         (logits,) = self.methods["forward"](tokens, input_pos, ledger=self.ledger)
-        sample = self.methods["sample"]
-        logits_in = self.put("sample", sample.input_buffer("logits"), logits)
+        sample = self.methods["sample"]  # logits are planned in its input buffer: handed over as they are
         params = [sample.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
-        (token,) = sample(logits_in, *params, step, ledger=self.ledger)
+        (token,) = sample(logits, *params, step, ledger=self.ledger)
         return token
 
     @torch.no_grad()

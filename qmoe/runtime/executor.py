@@ -1,38 +1,58 @@
 """Executor: exported programs for the `host` and `cuda_native` runners.
 
 - Programs: loaded from a saved program directory (`runtime.program`), or exported in-process: torch.export
-  runs once per (model, method, batch, length, kernels) per process and each export preset re-lowers and
-  re-plans those exported methods (cheap), so a sweep exports each method once.
+  runs once per (method, batch, length, kernels) of the model in hand and each export preset re-lowers and
+  re-plans those exported methods (cheap), so a sweep exports each method once (`EXPORTS`).
 - Arenas: a Program allocates its planned arenas once per device; the executor re-allocates the host arena in
   pinned memory when the delegate is a GPU (copies from and to it are true async DMA and can sit next to CUDA
   graphs), before any buffer is handed out. Nothing else is allocated per step by the executor.
 - Binding: runners write method inputs straight into the planned input buffers (`Method.input_buffer`) and pass
-  those buffers back, so a Method never copies an input, and read outputs from their planned buffers.
-- Ledger: every host<->device copy the runner itself makes (`put`, `read_back`) is recorded as source "runner"
-  under the method it feeds or drains; the Methods record their copy nodes and, without planning, the
-  delegate's own copies. On a CPU delegate nothing crosses a bus and nothing is recorded.
+  those buffers back, so a Method never copies an input, and read outputs from their planned buffers. An output
+  that the next method takes (logits into sample, a sampled token into the next step) is planned in that
+  input's slot, so handing it over copies nothing.
+- Ledger: every copy between memory spaces the runner itself makes (`put`, `read_back`, `feed`) is recorded as
+  source "runner" under the method it feeds or drains; the Methods record their copy nodes and, without
+  planning, the delegate's own copies. On a CPU delegate nothing crosses a bus and nothing is recorded; on the
+  staged CPU delegate ("cpu:1") everything is, as on a GPU.
 """
 
 import torch
 
 from qmoe.export import ExportError, ExportSettings, Program
 from qmoe.export.methods import export_methods
+from qmoe.runtime.generate import Runner
 from qmoe.runtime.graphs import graph_delegates
 from qmoe.runtime.ledger import TransferLedger
 
-_EXPORTED: dict[tuple, tuple] = {}  # (model id, method, batch, length, kernels) -> (model, ExportedProgram)
+
+class Exports:
+    """torch.export results of one model, reused by every program built for it: {(method, batch, length,
+    kernels): ExportedProgram}. It holds that model (so the cache can never answer for another object that
+    happens to reuse its id) and drops every entry when asked for another model: one model's exports at a time,
+    as the app holds one model's weights at a time."""
+
+    def __init__(self):
+        self.model = None
+        self.programs: dict[tuple, object] = {}
+
+    def get(self, model, method_split: str, methods, batch_size: int, max_seq_len: int) -> dict:
+        """{method: ExportedProgram} for `methods` (those of `method_split`), exported where missing."""
+        if model is not self.model:
+            self.model, self.programs = model, {}
+        kernels = tuple(sorted((group, module.__name__) for group, module in model.ops.items()))
+        keys = {m: (m, batch_size, max_seq_len, kernels) for m in methods}
+        if any(k not in self.programs for k in keys.values()):  # a method is the same program in every split
+            exported = export_methods(model, method_split, batch_size, max_seq_len)
+            self.programs.update({keys[m]: ep for m, ep in exported.items()})
+        return {m: self.programs[k] for m, k in keys.items()}
 
 
-def build_program(model, settings: ExportSettings, batch_size: int, max_seq_len: int) -> Program:
+EXPORTS = Exports()  # the process's: the app and the ablation rows build every program through it
+
+
+def build_program(model, settings: ExportSettings, batch_size: int, max_seq_len: int, exports=EXPORTS) -> Program:
     """The exported program of `model` (caches set up for batch_size x max_seq_len) under `settings`."""
-    for stale in [k for k, (m, _) in _EXPORTED.items() if m is not model]:  # one model's exports at a time
-        del _EXPORTED[stale]
-    kernels = tuple(sorted((group, module.__name__) for group, module in model.ops.items()))
-    keys = {m: (id(model), m, batch_size, max_seq_len, kernels) for m in settings.methods}
-    if any(k not in _EXPORTED for k in keys.values()):  # a method is the same program in every split it is in
-        exported = export_methods(model, settings.method_split, batch_size, max_seq_len)
-        _EXPORTED.update({keys[m]: (model, ep) for m, ep in exported.items()})
-    exported = {m: _EXPORTED[k][1] for m, k in keys.items()}
+    exported = exports.get(model, settings.method_split, settings.methods, batch_size, max_seq_len)
     return pin_host_arena(Program(exported, model, settings, batch_size, max_seq_len))
 
 
@@ -57,45 +77,35 @@ def pin_host_arena(program: Program) -> Program:
     return program
 
 
-class ProgramRunner:
-    """What the host and cuda_native runners share: the program, the ledger's phase/step tags, the copies."""
+class ProgramRunner(Runner):
+    """What the host and cuda_native runners share: the program, its CUDA graphs, where its buffers live."""
 
     name = "program"
 
     def __init__(self, program: Program, model, batch: int, ledger: TransferLedger, cuda_graph: bool, graphed):
-        self.program, self.model, self.batch, self.ledger = program, model, batch, ledger
+        super().__init__(model, batch, ledger)
+        self.program = program
         self.methods = program.methods
-        on_cuda = model.device.type == "cuda"
         self.graphs = graph_delegates(program, graphed) if cuda_graph else []
-        self.token_host = torch.empty(batch, dtype=torch.int64, pin_memory=on_cuda)  # the per-step read-back
-        self.decode_steps = 0
+
+    def space_of(self, t: torch.Tensor) -> str:
+        return self.program.space_of(t)
 
     def begin_prefill(self) -> None:
-        self.model.reset_caches()
-        self.ledger.at("prefill", 0)
-        self.decode_steps = 0
+        super().begin_prefill()
         for g in self.graphs:
             g.enabled = False
 
     def begin_decode(self) -> None:
-        self.decode_steps += 1
-        self.ledger.at("decode", self.decode_steps)
+        super().begin_decode()
         for g in self.graphs:
             g.enabled = True
 
-    def put(self, method: str, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """dst.copy_(src); a copy across devices is the runner's and is recorded."""
-        if src.device != dst.device:
-            self.ledger.record("h2d" if dst.device.type != "cpu" else "d2h", src.nbytes, method, "runner")
-        return dst.copy_(src)
-
-    def read_back(self, method: str, token: torch.Tensor) -> torch.Tensor:
-        """Token ids [B] -> host (for EOS checks and streaming): the one read-back a step needs."""
-        return self.put(method, self.token_host, token).clone()
-
     def feed(self, method: str, dst: torch.Tensor, last: torch.Tensor, forced: torch.Tensor | None) -> None:
-        """dst [B] <- the token to feed: the forced (prompt) id where forced >= 0, else the last sample."""
-        if forced is not None:
-            forced = self.put(method, torch.empty_like(forced, device=last.device), forced)
-            last = torch.where(forced >= 0, forced, last)
-        self.put(method, dst, last)
+        """dst [B] <- the token to feed: the forced (prompt) id where forced >= 0, else the last sample (usually
+        planned in dst's own bytes: then nothing moves). Forced ids are merged on the host, with the last sample
+        read back, and go up once."""
+        if forced is None:
+            self.put(method, dst, last)
+        else:
+            self.put(method, dst, torch.where(forced >= 0, forced, self.token_host))

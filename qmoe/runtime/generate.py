@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling.naive import INVALID_TOKEN
-from qmoe.runtime.ledger import TransferLedger
+from qmoe.export.settings import device_name
+from qmoe.runtime.ledger import TransferLedger, transfer
 from qmoe.settings import SamplingSettings
 
 
@@ -35,13 +36,48 @@ def sampling_tensors(s: SamplingSettings, batch: int, device) -> dict:
     }
 
 
-class ReferenceRunner:
+class Runner:
+    """What every runner shares: the ledger's phase and step tags, and the copies it makes itself (`put`,
+    `read_back`), recorded under source "runner" whenever they cross memory spaces."""
+
+    name = "runner"
+
+    def __init__(self, model, batch: int, ledger: TransferLedger):
+        self.model, self.batch, self.ledger = model, batch, ledger
+        self.token_host = torch.empty(batch, dtype=torch.int64, pin_memory=model.device.type == "cuda")
+        self.decode_steps = 0
+
+    def space_of(self, t: torch.Tensor) -> str:
+        """The memory space that holds `t` ("cpu", "cuda:0", or a program's planned arena)."""
+        return device_name(t.device)
+
+    def begin_prefill(self) -> None:
+        self.model.reset_caches()
+        self.ledger.at("prefill", 0)
+        self.decode_steps = 0
+
+    def begin_decode(self) -> None:
+        self.decode_steps += 1
+        self.ledger.at("decode", self.decode_steps)
+
+    def put(self, method: str, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """dst <- src (nothing when they are one buffer); a copy across memory spaces is recorded."""
+        if dst.data_ptr() == src.data_ptr() and dst.shape == src.shape:
+            return dst
+        return transfer(dst, src, self.space_of(src), self.space_of(dst), self.ledger, method, "runner")
+
+    def read_back(self, method: str, token: torch.Tensor) -> torch.Tensor:
+        """Token ids [B] -> host (for EOS checks and streaming): the one read-back a step needs."""
+        return self.put(method, self.token_host, token).clone()
+
+
+class ReferenceRunner(Runner):
     """The eager PyTorch model: forward + sample on the model's device, token ids read back every step."""
 
     name = "reference"
 
     def __init__(self, model, sampling: SamplingSettings, batch: int, ledger: TransferLedger):
-        self.model, self.ledger = model, ledger
+        super().__init__(model, batch, ledger)
         self.device = model.device
         self.params = sampling_tensors(sampling, batch, self.device)
         self.pos = 0
@@ -49,23 +85,14 @@ class ReferenceRunner:
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         step = torch.full_like(self.params["seed"], self.pos - 1)
         self.last = self.model.sample(logits, step=step, **self.params)
-        return self._to_host(self.last)
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cpu":
-            self.ledger.record("d2h", t.nbytes, "forward", "runner")
-        return t.cpu()
+        return self.read_back("forward", self.last)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cpu":
-            self.ledger.record("h2d", t.nbytes, "forward", "runner")
-        return t.to(self.device)
+        return self.put("forward", torch.empty_like(t, device=self.device), t)
 
     @torch.no_grad()
     def start(self, prompt: torch.Tensor) -> torch.Tensor:
-        self.model.reset_caches()
-        self.ledger.at("prefill", 0)
-        self.decode_steps = 0
+        self.begin_prefill()
         B, L = prompt.shape
         input_pos = torch.zeros(B, dtype=torch.int64, device=self.device)
         logits = self.model(self._to_device(prompt), input_pos)
@@ -74,8 +101,7 @@ class ReferenceRunner:
 
     @torch.no_grad()
     def step(self, forced: torch.Tensor | None) -> torch.Tensor:
-        self.decode_steps += 1
-        self.ledger.at("decode", self.decode_steps)
+        self.begin_decode()
         token = self.last
         if forced is not None:
             forced = self._to_device(forced)

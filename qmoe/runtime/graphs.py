@@ -2,8 +2,9 @@
 
 With device memory planning on, a Method calls its delegate with the same planned buffers every step (the copy
 nodes write into them), so the delegate's kernels can be captured once and replayed: no launches from Python,
-no allocation. The copy nodes and the runner's small ops (token feed, position advance) stay eager around it,
-so every host<->device copy is still made, and recorded, by the executor.
+no allocation. The delegate's write of each output into its planned buffer is part of the capture. The copy
+nodes and the runner's small ops (token feed, position advance) stay eager around it, so every copy between
+memory spaces is still made, and recorded, by the executor.
 """
 
 import torch
@@ -20,20 +21,20 @@ class GraphedDelegate:
         self.calls: dict[tuple, int] = {}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         if not self.enabled:
-            return self.delegate(*inputs)
-        key = tuple((x.data_ptr(), tuple(x.shape)) for x in inputs)
+            return self.delegate(*inputs, out=out)
+        key = tuple((x.data_ptr(), tuple(x.shape)) for x in (*inputs, *(o for o in out if o is not None)))
         if key in self.graphs:
             graph, outputs = self.graphs[key]
             graph.replay()
             return outputs
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] <= self.warmup:  # first launches compile / autotune: never inside a capture
-            return self.delegate(*inputs)
+            return self.delegate(*inputs, out=out)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.delegate(*inputs)
+            outputs = self.delegate(*inputs, out=out)  # writing the planned outputs is captured too
         self.graphs[key] = (graph, outputs)
         graph.replay()  # capturing records the work without doing it
         return outputs

@@ -8,8 +8,10 @@ used) or forward_only.
 import torch
 
 from kernels.sampling import naive
+from qmoe.runtime.combos import split_error
 from qmoe.runtime.executor import ProgramRunner
 from qmoe.runtime.generate import sampling_tensors
+from qmoe.runtime.ledger import HOST
 from qmoe.settings import ConfigError
 
 
@@ -17,11 +19,8 @@ class HostRunner(ProgramRunner):
     name = "host"
 
     def __init__(self, program, model, sampling, batch, ledger, cuda_graph: bool = False):
-        if "forward" not in program.methods:
-            raise ConfigError(
-                f"runtime: host samples on the CPU and needs a forward method that returns logits "
-                f"(export.method_split=split or forward_only), not {program.settings.method_split}"
-            )
+        if error := split_error(self.name, program.settings.method_split):
+            raise ConfigError(error)
         super().__init__(program, model, batch, ledger, cuda_graph, graphed=("forward",))
         self.params = sampling_tensors(sampling, batch, "cpu")
         self.greedy = sampling.greedy
@@ -37,7 +36,7 @@ class HostRunner(ProgramRunner):
         input_pos = torch.full((B,), self.pos, dtype=torch.int64)
         pos_in = self.put("forward", forward.input_buffer("input_pos"), input_pos)
         (logits,) = forward(tokens_in, pos_in, ledger=self.ledger)
-        if logits.device.type != "cpu":
+        if self.space_of(logits) != HOST:
             logits = self.put("forward", self.logits_host, logits)
         self.pos += T
         step = torch.full((B,), self.pos - 1, dtype=torch.int64)  # the sampler's step: the last input position

@@ -1,12 +1,31 @@
-"""TransferLedger: every host<->device copy the runtime makes, with direction, bytes, method and step."""
+"""TransferLedger: every copy the runtime makes between memory spaces (host<->device) or between two buffers of
+one device, with direction, bytes, method and step."""
 
 from collections import defaultdict
 from dataclasses import dataclass
 
-DIRECTIONS = ("h2d", "d2h")
+HOST = "cpu"  # the host memory space; any other space ("cuda:0", the staged "cpu:1") is a device's
+DIRECTIONS = ("h2d", "d2h", "d2d")
 # copy_node: an explicit h2d/d2h node of an exported method; delegate: the delegate's own copies of CPU
-# inputs/outputs when device memory planning is off; runner: the runner's token reads and writes.
+# inputs/outputs when device memory planning is off; runner: the runner's copies (token reads and writes, and an
+# input a caller passes that is not its planned buffer).
 SOURCES = ("copy_node", "delegate", "runner")
+
+
+def direction(src_space: str, dst_space: str) -> str | None:
+    """The transfer a copy from `src_space` to `dst_space` is; None for host to host (not a transfer)."""
+    if src_space == HOST:
+        return None if dst_space == HOST else "h2d"
+    return "d2h" if dst_space == HOST else "d2d"
+
+
+def transfer(dst, src, src_space: str, dst_space: str, ledger, method: str, source: str):
+    """dst.copy_(src) -> dst: the one place the runtime copies a tensor between buffers, recorded in `ledger`
+    (if any) unless it is host to host."""
+    kind = direction(src_space, dst_space)
+    if kind is not None and ledger is not None:
+        ledger.record(kind, src.nbytes, method, source)
+    return dst.copy_(src)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
-"""What the profiler sees cross the bus: CUDA memcpy activity (host-to-device, device-to-host), count and bytes,
-to check the transfer ledger against. Device-to-device copies are not host<->device traffic and are ignored."""
+"""What the profiler sees copied: CUDA memcpy activity (host-to-device, device-to-host, device-to-device), count
+and bytes, to check the transfer ledger against. A device-to-device memcpy launched inside a delegate call (its
+profiler range, program.DELEGATE_RANGE: an internal copy of the exported graph, or the delegate writing its
+output into its planned buffer) is the delegate's own work, like a kernel, and is not counted; a host<->device
+memcpy is counted wherever it is launched."""
 
 import json
 import os
@@ -7,27 +10,51 @@ import tempfile
 
 import torch
 
-DIRECTIONS = {"HtoD": "h2d", "DtoH": "d2h"}
+from qmoe.export.program import DELEGATE_RANGE
+from qmoe.runtime.ledger import DIRECTIONS
+
+KINDS = {"HtoD": "h2d", "DtoH": "d2h", "DtoD": "d2d"}
+
+
+def _zero() -> dict:
+    return {d: {"count": 0, "bytes": 0} for d in DIRECTIONS}
 
 
 def memcpy_totals(trace_events: list[dict]) -> dict:
-    """{h2d: {count, bytes}, d2h: {count, bytes}} of the gpu_memcpy events of a Chrome trace."""
-    totals = {d: {"count": 0, "bytes": 0} for d in DIRECTIONS.values()}
+    """{h2d, d2h, d2d: {count, bytes}} of the gpu_memcpy events of a Chrome trace, less the DtoD memcpys whose
+    launch (the runtime call with the same correlation id) lies inside a DELEGATE_RANGE on its thread."""
+    ranges = [
+        (ev["tid"], ev["ts"], ev["ts"] + ev["dur"])
+        for ev in trace_events
+        if ev.get("ph") == "X" and ev.get("name") == DELEGATE_RANGE and ev.get("cat") == "user_annotation"
+    ]
+    launches = {
+        ev["args"]["correlation"]: ev
+        for ev in trace_events
+        if ev.get("cat") == "cuda_runtime" and "correlation" in ev.get("args", {})
+    }
+
+    def in_delegate(ev) -> bool:
+        launch = launches.get(ev["args"].get("correlation"))
+        return launch is not None and any(t == launch["tid"] and s <= launch["ts"] <= e for t, s, e in ranges)
+
+    totals = _zero()
     for ev in trace_events:
         if ev.get("cat") != "gpu_memcpy" or ev.get("ph") != "X":
             continue
-        kind = next((d for key, d in DIRECTIONS.items() if key in ev.get("name", "")), None)
-        if kind is not None:
-            totals[kind]["count"] += 1
-            totals[kind]["bytes"] += int(ev["args"]["bytes"])
+        kind = next((d for key, d in KINDS.items() if key in ev.get("name", "")), None)
+        if kind is None or (kind == "d2d" and in_delegate(ev)):
+            continue
+        totals[kind]["count"] += 1
+        totals[kind]["bytes"] += int(ev["args"]["bytes"])
     return totals
 
 
 def profiled_memcpys(fn) -> tuple[object, dict]:
-    """Run fn() under torch.profiler (CUDA activity: kernels and memcpys) -> (fn's result, memcpy_totals)."""
+    """Run fn() under torch.profiler (CPU ranges and CUDA activity) -> (fn's result, memcpy_totals)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         result = fn()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -43,7 +70,7 @@ def profiled_memcpys(fn) -> tuple[object, dict]:
 
 def ledger_totals(ledger, phase: str | None = None) -> dict:
     """The same totals from a TransferLedger (optionally one phase)."""
-    totals = {d: {"count": 0, "bytes": 0} for d in DIRECTIONS.values()}
+    totals = _zero()
     for t in ledger.transfers:
         if phase is None or t.phase == phase:
             totals[t.direction]["count"] += 1
