@@ -44,6 +44,11 @@ DECODE_MAX_M = 64
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIGS = {
+    "gemv": {  # M = 1; BLOCK_M == 1 selects the GEMV kernels
+        "BLOCK_M": 1,
+        "up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
+        "down": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
+    },
     "decode": {
         "BLOCK_M": 16,
         "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
@@ -87,7 +92,9 @@ CONFIG_TABLE = load_table()
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
-    return tuned or DEFAULT_CONFIGS["decode" if M <= DECODE_MAX_M else "prefill"]
+    if tuned and (tuned["BLOCK_M"] == 1) == (M == 1):  # a GEMV entry only ever serves M = 1
+        return tuned
+    return DEFAULT_CONFIGS["gemv" if M == 1 else "decode" if M <= DECODE_MAX_M else "prefill"]
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -402,9 +409,17 @@ def _moe_down_decode_kernel(
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
     keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
-    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]."""
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs
+    neither partials nor counters."""
     M, H = x.shape
     P = M * top_k
+    if config["BLOCK_M"] == 1:  # GEMV path: no partials, no counters
+        return {
+            "h": x.new_empty(P, I),
+            "f32": x.new_empty(P, dtype=torch.float32),
+            "i32": x.new_empty(P, dtype=torch.int32),
+            "out": x.new_empty(M, H),
+        }
     return {
         "h": x.new_empty(P, I),
         "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
@@ -423,6 +438,10 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
     scratch = scratch or decode_scratch(x, I, top_k, config)
     h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
+    if config["BLOCK_M"] == 1:
+        if M != 1:
+            raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
+        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch)
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = triton.cdiv(H, down["BLOCK_N"])
@@ -437,6 +456,113 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
         TOP_K=top_k, P_BLOCK=max(16, triton.next_power_of_2(P)), BLOCK_M=block_m, **down,
     )  # fmt: skip
     return out
+
+
+# ----------------------------------------------------------------------------------------------- GEMV (M = 1)
+
+
+@triton.jit
+def _moe_up_gemv_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
+    No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing)."""
+    pid_n = tl.program_id(0)
+    k = tl.program_id(1)
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
+    rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
+    gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_k
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            gate = tl.load(gate_ptrs)
+            up = tl.load(gate_ptrs + I * H)
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = k0 + offs_k < H
+            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+            up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_gate += gate.to(tl.float32) * x
+        acc_up += up.to(tl.float32) * x
+        gate_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
+    h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
+    tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, I_MAX, stride_pe,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
+    + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
+    [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
+    registers: no partials, no counters, no atomics, bit-reproducible."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    top_mask = offs_top < TOP_K
+    ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
+    w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
+    s_ptrs = shared_down_ptr + (rows * IS)[:, None]  # [N, 1]
+    acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
+    acc_shared = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, I_MAX, BLOCK_K):  # I_MAX = max(I, Is)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+        a = tl.load(
+            h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+        # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
+        s_mask = offs_k < IS
+        ws = tl.load(s_ptrs + offs_k[None, :], mask=s_mask[None, :], other=0.0)
+        gate = tl.load(proj_ptr + (E + offs_k) * stride_pe, mask=s_mask, other=0.0)
+        up = tl.load(proj_ptr + (E + IS + offs_k) * stride_pe, mask=s_mask, other=0.0)
+        gate = gate.to(tl.float32)
+        a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
+        acc_shared += tl.sum(ws.to(tl.float32) * a_shared[None, :], 1)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
+    routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
+    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
+    out = routed + scale * acc_shared
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+def moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch) -> torch.Tensor:
+    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1)."""
+    H = x.shape[1]
+    E, I = w2.shape[0], w2.shape[2]
+    IS = shared_down_proj.shape[1]
+    up, down = config["up"], config["down"]
+    block_top = triton.next_power_of_2(top_k)
+    _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1),
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0, **up,
+    )  # fmt: skip
+    _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
+        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
+        max(I, IS), proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, **down,
+    )  # fmt: skip
+    return scratch["out"]
 
 
 # ----------------------------------------------------------------------------------------------- prefill (M > 64)
