@@ -6,11 +6,14 @@ P = M * K (token, expert) pairs. Every program that does an expert's work owns o
 this call, so each selected expert's weight tile is streamed once.
 
 Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
-  up:   program (N tile, pair p = (t, k)) ranks token t's router logits itself and takes its k-th expert e; it
-        then ranks e in every token's logits (one compare pass, no top-k) to find all pairs routed to e. The
-        program of e's first pair computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; the
-        others exit. Program (0, t * K) writes token t's ids/weights for the down kernel; program (0, 0) zeroes
-        the down kernel's arrival counters (scratch allocated per call: no state survives a call).
+  M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
+        streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
+        expert in fixed order, summing in registers (no partials, counters or atomics).
+  up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
+        routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
+        with no token exits. Programs (0, e) write e's pair ids and softmax numerators exp(l_e - max l) for the
+        down kernel (which normalises over the token's K); program (0, 0) zeroes the down kernel's arrival
+        counters (scratch allocated per call: no state survives a call).
   down: program (N tile, slot): slot 0 is the shared expert (all tokens: A = silu(gate) * up read from proj,
         weight sigmoid(gate logit)), slot 1 + p the pair p (its expert's first pair does the work, as above).
         Each writes weighted fp32 partials [M, K + 1, H] (k order, shared last), then arrives on its N tile's
@@ -133,21 +136,28 @@ def _expert_ranks(
     proj_ptr, stride_pm, stride_pe, M, E, expert,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_T: tl.constexpr,
 ):  # fmt: skip
-    """The position of `expert` in each token's top-k order (0 = largest logit) -> [BLOCK_T] int32; tokens >= M
-    get E. One compare pass over every token's E logits: rank < K is exactly "routed to expert"."""
+    """The position of `expert` in each token's top-k order (0 = largest logit) -> (ranks [BLOCK_T] int32, tokens
+    >= M get E; exp(logit[expert] - max logit) [BLOCK_T] fp32, the expert's unnormalised routing weight). One
+    compare pass over every token's E logits: rank < K is exactly "routed to expert"."""
     offs_t = tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     ranks = tl.zeros([BLOCK_T], tl.int32)
+    nums = tl.zeros([BLOCK_T], tl.float32)
     for t0 in tl.static_range(0, BLOCK_T, CHUNK_T):
         rows = t0 + tl.arange(0, CHUNK_T)
         valid = (rows < M)[:, None] & (offs_e < E)[None, :]
         ptrs = proj_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_e[None, :] * stride_pe
-        keys = _order_key(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))  # [CHUNK_T, BLOCK_E]
+        logits = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)  # [CHUNK_T, BLOCK_E]
+        keys = _order_key(logits)
         mine = tl.sum(tl.where(offs_e[None, :] == expert, keys, 0), 1)  # [CHUNK_T]
+        top = tl.max(tl.where(valid, logits, float("-inf")), 1)
+        num = tl.exp(tl.sum(tl.where(offs_e[None, :] == expert, logits, 0.0), 1) - top)  # [CHUNK_T]
         ahead = (keys > mine[:, None]) | ((keys == mine[:, None]) & (offs_e[None, :] < expert))
         chunk = tl.sum((ahead & valid).to(tl.int32), 1)  # [CHUNK_T]
-        ranks += tl.sum(tl.where(offs_t[:, None] == rows[None, :], chunk[None, :], 0), 1)  # scatter into [BLOCK_T]
-    return tl.where(offs_t < M, ranks, E)
+        at = offs_t[:, None] == rows[None, :]  # scatter into [BLOCK_T]
+        ranks += tl.sum(tl.where(at, chunk[None, :], 0), 1)
+        nums += tl.sum(tl.where(at, num[None, :], 0.0), 1)
+    return tl.where(offs_t < M, ranks, E), nums
 
 
 @triton.jit
@@ -299,36 +309,29 @@ def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe,
 @triton.jit
 def _moe_up_decode_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK_T: tl.constexpr, BLOCK_COUNTERS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr,
+    BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Axis 0 walks N tiles of one pair, so neighbouring programs share its logits and activations in L2.
+    # Axis 0 walks N tiles of one expert, so neighbouring programs share the logits and activations in L2.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.program_id(1)
-    token, k = slot // TOP_K, slot % TOP_K
-    top_ids, top_weights = _token_topk(
-        proj_ptr + token.to(tl.int64) * stride_pm, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E
-    )
-    offs_top = tl.arange(0, BLOCK_TOP)
-    if (tl.program_id(0) == 0) & (k == 0):  # one program per token hands its routing to the down kernel
-        tl.store(weights_ptr + token * TOP_K + offs_top, top_weights, mask=offs_top < TOP_K)
-        tl.store(ids_ptr + token * TOP_K + offs_top, top_ids, mask=offs_top < TOP_K)
-        if token == 0:  # the down kernel's arrival counters (ids_ptr + P), zeroed before it starts
+    expert = tl.program_id(1)
+    ranks, nums = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)
+    routed = ranks < TOP_K  # [BLOCK_T]
+    offs_t = tl.arange(0, BLOCK_T)
+    pair_ids = offs_t * TOP_K + ranks
+    if tl.program_id(0) == 0:  # the routing the down kernel reads: ids and unnormalised weights per pair
+        tl.store(ids_ptr + pair_ids, tl.zeros([BLOCK_T], tl.int32) + expert, mask=routed)
+        tl.store(weights_ptr + pair_ids, nums, mask=routed)
+        if expert == 0:  # the down kernel's arrival counters (ids_ptr + P), zeroed before it starts
             offs_c = tl.arange(0, BLOCK_COUNTERS)
             tl.store(ids_ptr + M * TOP_K + offs_c, tl.zeros([BLOCK_COUNTERS], tl.int32), mask=offs_c < NUM_COUNTERS)
-    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
-    ranks = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)  # [BLOCK_T]
-    routed = ranks < TOP_K
-    offs_t = tl.arange(0, BLOCK_T)
-    if tl.min(tl.where(routed, offs_t, BLOCK_T), 0) == token:  # the expert's first token does its work
-        w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-        pos = tl.cumsum(routed.to(tl.int32), 0) - 1
-        for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
-            sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
-            pairs = tl.sum(tl.where(sel, offs_t[None, :] * TOP_K + ranks[None, :], 0), 1)
-            row_mask = tl.sum(sel.to(tl.int32), 1) > 0
-            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
+    w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+    pos = tl.cumsum(routed.to(tl.int32), 0) - 1
+    for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
+        sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
+        pairs = tl.sum(tl.where(sel, pair_ids[None, :], 0), 1)
+        row_mask = tl.sum(sel.to(tl.int32), 1) > 0
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
 
 
 @triton.jit
@@ -355,7 +358,8 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
 @triton.jit
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
-    TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -385,7 +389,13 @@ def _moe_down_decode_kernel(
             for r0 in range(0, count, BLOCK_M):
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
                 acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
-                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)
+                # The routing weight: the pair's softmax numerator over the sum of its token's K numerators.
+                offs_top = tl.arange(0, BLOCK_TOP)
+                token_pairs = (pairs // TOP_K * TOP_K)[:, None] + offs_top[None, :]  # [BLOCK_M, BLOCK_TOP]
+                nums = tl.load(
+                    weights_ptr + token_pairs, mask=row_mask[:, None] & (offs_top < TOP_K)[None, :], other=0.0
+                )
+                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0) / tl.sum(nums, 1)
                 rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
                 tl.store(
                     partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
@@ -445,15 +455,16 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = triton.cdiv(H, down["BLOCK_N"])
-    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), P)](
+    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), E)](
         x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters,
-        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
         BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
         h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(),
-        TOP_K=top_k, P_BLOCK=max(16, triton.next_power_of_2(P)), BLOCK_M=block_m, **down,
+        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), P_BLOCK=max(16, triton.next_power_of_2(P)),
+        BLOCK_M=block_m, **down,
     )  # fmt: skip
     return out
 
