@@ -29,11 +29,14 @@ from kernels.moe import triton as tri  # noqa: E402
 
 # tuned M -> the M buckets its config is stored for, most important first (the budget may cut the tail). Decode
 # kernels compile per M bucket (the pair and token blocks are powers of two >= M K and M).
-TUNE_DECODE = {1: (1, 2, 4), 8: (8, 16), 64: (32, 64)}
+# M = 1 runs the GEMV kernels (BLOCK_M = 1), so its config serves only bucket 1.
+TUNE_DECODE = {1: (1,), 8: (2, 4, 8, 16), 64: (32, 64)}
 TUNE_PREFILL = {8192: (8192, 16384), 2048: (2048, 4096), 512: (128, 256, 512, 1024)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-DECODE_UP = [(16, 128, 4, 4), (32, 128, 4, 3), (16, 256, 4, 3), (64, 128, 4, 3), (32, 256, 8, 3)]
+DECODE_UP = [(16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (32, 256, 8, 3)]
 DECODE_DOWN = [(32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)]
+GEMV_UP = [(2, 1024, 4, 2), (4, 1024, 4, 2), (8, 512, 4, 2), (16, 256, 4, 3), (8, 1024, 8, 2), (16, 512, 8, 2)]
+GEMV_DOWN = [(1, 512, 4, 2), (2, 512, 4, 2), (4, 512, 4, 2), (2, 256, 4, 3), (4, 256, 4, 3), (8, 256, 8, 2)]
 PREFILL_BLOCK_M = (64, 128)
 PREFILL_UP = [(64, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3)]
 PREFILL_DOWN = [(128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
@@ -67,9 +70,14 @@ def tune_m(M, s, weights, device, dtype):
             print(f"  skip {config}: {type(err).__name__}", flush=True)
             return float("inf")
 
-    default = tri.DEFAULT_CONFIGS["decode" if decode else "prefill"]
-    ups, downs = (DECODE_UP, DECODE_DOWN) if decode else (PREFILL_UP, PREFILL_DOWN)
-    candidates = [(bm, launch(u)) for bm in ((16,) if decode else PREFILL_BLOCK_M) for u in ups]
+    kind = "gemv" if M == 1 else "decode" if decode else "prefill"
+    default = tri.DEFAULT_CONFIGS[kind]
+    ups, downs, block_ms = {
+        "gemv": (GEMV_UP, GEMV_DOWN, (1,)),
+        "decode": (DECODE_UP, DECODE_DOWN, (16,)),
+        "prefill": (PREFILL_UP, PREFILL_DOWN, PREFILL_BLOCK_M),
+    }[kind]
+    candidates = [(bm, launch(u)) for bm in block_ms for u in ups]
     timed = [(measure({"BLOCK_M": bm, "up": up, "down": default["down"]}), bm, up) for bm, up in candidates]
     _, block_m, up = min(timed, key=lambda t: t[0])
     timed = [(measure({"BLOCK_M": block_m, "up": up, "down": launch(d)}), launch(d)) for d in downs]
@@ -91,7 +99,7 @@ def main():
         sys.exit(2)
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", getattr(torch, args.dtype))
     if args.smoke:
-        shapes, tune = SMOKE_SHAPES, {1: (1,), 70: (128,)}
+        shapes, tune = SMOKE_SHAPES, {1: (1,), 5: (8,), 70: (128,)}
     else:
         shapes, tune = {n: SHAPES[n] for n in args.shapes}, {**TUNE_DECODE, **(TUNE_PREFILL if args.prefill else {})}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()

@@ -6,11 +6,14 @@ P = M * K (token, expert) pairs. Every program that does an expert's work owns o
 this call, so each selected expert's weight tile is streamed once.
 
 Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
-  up:   program (N tile, pair p = (t, k)) ranks token t's router logits itself and takes its k-th expert e; it
-        then ranks e in every token's logits (one compare pass, no top-k) to find all pairs routed to e. The
-        program of e's first pair computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; the
-        others exit. Program (0, t * K) writes token t's ids/weights for the down kernel; program (0, 0) zeroes
-        the down kernel's arrival counters (scratch allocated per call: no state survives a call).
+  M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
+        streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
+        expert in fixed order, summing in registers (no partials, counters or atomics).
+  up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
+        routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
+        with no token exits. Programs (0, e) write e's pair ids and softmax numerators exp(l_e - max l) for the
+        down kernel (which normalises over the token's K); program (0, 0) zeroes the down kernel's arrival
+        counters (scratch allocated per call: no state survives a call).
   down: program (N tile, slot): slot 0 is the shared expert (all tokens: A = silu(gate) * up read from proj,
         weight sigmoid(gate logit)), slot 1 + p the pair p (its expert's first pair does the work, as above).
         Each writes weighted fp32 partials [M, K + 1, H] (k order, shared last), then arrives on its N tile's
@@ -44,6 +47,11 @@ DECODE_MAX_M = 64
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIGS = {
+    "gemv": {  # M = 1; BLOCK_M == 1 selects the GEMV kernels
+        "BLOCK_M": 1,
+        "up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
+        "down": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
+    },
     "decode": {
         "BLOCK_M": 16,
         "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
@@ -87,7 +95,9 @@ CONFIG_TABLE = load_table()
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
-    return tuned or DEFAULT_CONFIGS["decode" if M <= DECODE_MAX_M else "prefill"]
+    if tuned and (tuned["BLOCK_M"] == 1) == (M == 1):  # a GEMV entry only ever serves M = 1
+        return tuned
+    return DEFAULT_CONFIGS["gemv" if M == 1 else "decode" if M <= DECODE_MAX_M else "prefill"]
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -126,21 +136,28 @@ def _expert_ranks(
     proj_ptr, stride_pm, stride_pe, M, E, expert,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_T: tl.constexpr,
 ):  # fmt: skip
-    """The position of `expert` in each token's top-k order (0 = largest logit) -> [BLOCK_T] int32; tokens >= M
-    get E. One compare pass over every token's E logits: rank < K is exactly "routed to expert"."""
+    """The position of `expert` in each token's top-k order (0 = largest logit) -> (ranks [BLOCK_T] int32, tokens
+    >= M get E; exp(logit[expert] - max logit) [BLOCK_T] fp32, the expert's unnormalised routing weight). One
+    compare pass over every token's E logits: rank < K is exactly "routed to expert"."""
     offs_t = tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     ranks = tl.zeros([BLOCK_T], tl.int32)
+    nums = tl.zeros([BLOCK_T], tl.float32)
     for t0 in tl.static_range(0, BLOCK_T, CHUNK_T):
         rows = t0 + tl.arange(0, CHUNK_T)
         valid = (rows < M)[:, None] & (offs_e < E)[None, :]
         ptrs = proj_ptr + rows.to(tl.int64)[:, None] * stride_pm + offs_e[None, :] * stride_pe
-        keys = _order_key(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))  # [CHUNK_T, BLOCK_E]
+        logits = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)  # [CHUNK_T, BLOCK_E]
+        keys = _order_key(logits)
         mine = tl.sum(tl.where(offs_e[None, :] == expert, keys, 0), 1)  # [CHUNK_T]
+        top = tl.max(tl.where(valid, logits, float("-inf")), 1)
+        num = tl.exp(tl.sum(tl.where(offs_e[None, :] == expert, logits, 0.0), 1) - top)  # [CHUNK_T]
         ahead = (keys > mine[:, None]) | ((keys == mine[:, None]) & (offs_e[None, :] < expert))
         chunk = tl.sum((ahead & valid).to(tl.int32), 1)  # [CHUNK_T]
-        ranks += tl.sum(tl.where(offs_t[:, None] == rows[None, :], chunk[None, :], 0), 1)  # scatter into [BLOCK_T]
-    return tl.where(offs_t < M, ranks, E)
+        at = offs_t[:, None] == rows[None, :]  # scatter into [BLOCK_T]
+        ranks += tl.sum(tl.where(at, chunk[None, :], 0), 1)
+        nums += tl.sum(tl.where(at, num[None, :], 0.0), 1)
+    return tl.where(offs_t < M, ranks, E), nums
 
 
 @triton.jit
@@ -292,36 +309,29 @@ def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe,
 @triton.jit
 def _moe_up_decode_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK_T: tl.constexpr, BLOCK_COUNTERS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr,
+    BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Axis 0 walks N tiles of one pair, so neighbouring programs share its logits and activations in L2.
+    # Axis 0 walks N tiles of one expert, so neighbouring programs share the logits and activations in L2.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.program_id(1)
-    token, k = slot // TOP_K, slot % TOP_K
-    top_ids, top_weights = _token_topk(
-        proj_ptr + token.to(tl.int64) * stride_pm, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E
-    )
-    offs_top = tl.arange(0, BLOCK_TOP)
-    if (tl.program_id(0) == 0) & (k == 0):  # one program per token hands its routing to the down kernel
-        tl.store(weights_ptr + token * TOP_K + offs_top, top_weights, mask=offs_top < TOP_K)
-        tl.store(ids_ptr + token * TOP_K + offs_top, top_ids, mask=offs_top < TOP_K)
-        if token == 0:  # the down kernel's arrival counters (ids_ptr + P), zeroed before it starts
+    expert = tl.program_id(1)
+    ranks, nums = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)
+    routed = ranks < TOP_K  # [BLOCK_T]
+    offs_t = tl.arange(0, BLOCK_T)
+    pair_ids = offs_t * TOP_K + ranks
+    if tl.program_id(0) == 0:  # the routing the down kernel reads: ids and unnormalised weights per pair
+        tl.store(ids_ptr + pair_ids, tl.zeros([BLOCK_T], tl.int32) + expert, mask=routed)
+        tl.store(weights_ptr + pair_ids, nums, mask=routed)
+        if expert == 0:  # the down kernel's arrival counters (ids_ptr + P), zeroed before it starts
             offs_c = tl.arange(0, BLOCK_COUNTERS)
             tl.store(ids_ptr + M * TOP_K + offs_c, tl.zeros([BLOCK_COUNTERS], tl.int32), mask=offs_c < NUM_COUNTERS)
-    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
-    ranks = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)  # [BLOCK_T]
-    routed = ranks < TOP_K
-    offs_t = tl.arange(0, BLOCK_T)
-    if tl.min(tl.where(routed, offs_t, BLOCK_T), 0) == token:  # the expert's first token does its work
-        w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-        pos = tl.cumsum(routed.to(tl.int32), 0) - 1
-        for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
-            sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
-            pairs = tl.sum(tl.where(sel, offs_t[None, :] * TOP_K + ranks[None, :], 0), 1)
-            row_mask = tl.sum(sel.to(tl.int32), 1) > 0
-            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
+    w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+    pos = tl.cumsum(routed.to(tl.int32), 0) - 1
+    for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
+        sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
+        pairs = tl.sum(tl.where(sel, pair_ids[None, :], 0), 1)
+        row_mask = tl.sum(sel.to(tl.int32), 1) > 0
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
 
 
 @triton.jit
@@ -348,7 +358,8 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
 @triton.jit
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
-    TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -378,7 +389,13 @@ def _moe_down_decode_kernel(
             for r0 in range(0, count, BLOCK_M):
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
                 acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
-                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)
+                # The routing weight: the pair's softmax numerator over the sum of its token's K numerators.
+                offs_top = tl.arange(0, BLOCK_TOP)
+                token_pairs = (pairs // TOP_K * TOP_K)[:, None] + offs_top[None, :]  # [BLOCK_M, BLOCK_TOP]
+                nums = tl.load(
+                    weights_ptr + token_pairs, mask=row_mask[:, None] & (offs_top < TOP_K)[None, :], other=0.0
+                )
+                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0) / tl.sum(nums, 1)
                 rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
                 tl.store(
                     partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
@@ -402,9 +419,17 @@ def _moe_down_decode_kernel(
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
     keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
-    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]."""
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs
+    neither partials nor counters."""
     M, H = x.shape
     P = M * top_k
+    if config["BLOCK_M"] == 1:  # GEMV path: no partials, no counters
+        return {
+            "h": x.new_empty(P, I),
+            "f32": x.new_empty(P, dtype=torch.float32),
+            "i32": x.new_empty(P, dtype=torch.int32),
+            "out": x.new_empty(M, H),
+        }
     return {
         "h": x.new_empty(P, I),
         "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
@@ -423,20 +448,132 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
     scratch = scratch or decode_scratch(x, I, top_k, config)
     h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
+    if config["BLOCK_M"] == 1:
+        if M != 1:
+            raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
+        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch)
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = triton.cdiv(H, down["BLOCK_N"])
-    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), P)](
+    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), E)](
         x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters,
-        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
         BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
         h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(),
-        TOP_K=top_k, P_BLOCK=max(16, triton.next_power_of_2(P)), BLOCK_M=block_m, **down,
+        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), P_BLOCK=max(16, triton.next_power_of_2(P)),
+        BLOCK_M=block_m, **down,
     )  # fmt: skip
     return out
+
+
+# ----------------------------------------------------------------------------------------------- GEMV (M = 1)
+
+
+@triton.jit
+def _moe_up_gemv_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
+    No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing)."""
+    pid_n = tl.program_id(0)
+    k = tl.program_id(1)
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
+    rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
+    gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_k
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            gate = tl.load(gate_ptrs)
+            up = tl.load(gate_ptrs + I * H)
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = k0 + offs_k < H
+            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+            up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_gate += gate.to(tl.float32) * x
+        acc_up += up.to(tl.float32) * x
+        gate_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
+    h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
+    tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, I_MAX, stride_pe,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
+    + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
+    [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
+    registers: no partials, no counters, no atomics, bit-reproducible."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    top_mask = offs_top < TOP_K
+    ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
+    w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
+    s_ptrs = shared_down_ptr + (rows * IS)[:, None]  # [N, 1]
+    acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
+    acc_shared = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, I_MAX, BLOCK_K):  # I_MAX = max(I, Is)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+        a = tl.load(
+            h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+        # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
+        s_mask = offs_k < IS
+        ws = tl.load(s_ptrs + offs_k[None, :], mask=s_mask[None, :], other=0.0)
+        gate = tl.load(proj_ptr + (E + offs_k) * stride_pe, mask=s_mask, other=0.0)
+        up = tl.load(proj_ptr + (E + IS + offs_k) * stride_pe, mask=s_mask, other=0.0)
+        gate = gate.to(tl.float32)
+        a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
+        acc_shared += tl.sum(ws.to(tl.float32) * a_shared[None, :], 1)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
+    routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
+    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
+    out = routed + scale * acc_shared
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+def moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch) -> torch.Tensor:
+    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1)."""
+    H = x.shape[1]
+    E, I = w2.shape[0], w2.shape[2]
+    IS = shared_down_proj.shape[1]
+    up, down = config["up"], config["down"]
+    block_top = triton.next_power_of_2(top_k)
+    _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1),
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0, **up,
+    )  # fmt: skip
+    _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
+        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
+        max(I, IS), proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, **down,
+    )  # fmt: skip
+    return scratch["out"]
 
 
 # ----------------------------------------------------------------------------------------------- prefill (M > 64)

@@ -148,9 +148,53 @@ def test_moe_block_decode(M, H, E, I, Is, K, router, reason, dtype):
     assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
 
 
+# The GEMV path (M = 1) with tiles below H and I, so its K loops and N tiles both run.
+GEMV_SMALL = {
+    "BLOCK_M": 1,
+    "up": {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    "down": {"BLOCK_N": 2, "BLOCK_K": 8, "num_warps": 4, "num_stages": 1},
+}
+# (H, E, I, Is, K, reason)
+GEMV_CASES = [
+    (64, 8, 32, 24, 2, "even H: the unmasked K loop; Is < I"),
+    (47, 13, 23, 17, 3, "odd H, I, Is, prime E, K not a power of two: every tail masked, rows past I and H"),
+    (32, 5, 16, 40, 5, "K = E and Is > I: the down loop runs past I for the shared expert"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,E,I,Is,K,reason", GEMV_CASES, ids=[c[-1].split(":")[0] for c in GEMV_CASES])
+def test_moe_block_gemv(H, E, I, Is, K, reason, dtype):
+    """One token on the GEMV kernels, every scratch buffer poisoned; the routing they hand over is the reference's."""
+    args = block_args(1, H, E, I, Is, dtype, seed=H)
+    scratch = decode_poisoned(args[0], I, K, GEMV_SMALL)
+    out = moe.moe_block_decode(*args, K, config=GEMV_SMALL, scratch=scratch)
+    assert out.data_ptr() == scratch["out"].data_ptr() and out.shape == (1, H) and out.dtype == dtype
+    assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
+    ref_w, ref_ids = naive.route(args[1][:, :E].float(), K)
+    assert torch.equal(scratch["i32"].long(), ref_ids.flatten())
+    torch.testing.assert_close(scratch["f32"], ref_w.flatten())
+
+
+def test_moe_block_gemv_is_deterministic_and_default():
+    """moe_block at M = 1 takes the GEMV path by default (no config passed) and is bit-reproducible."""
+    args = block_args(1, 40, 6, 24, 24, torch.float32)
+    assert moe.get_config(1, 6, 40, 24, torch.float32)["BLOCK_M"] == 1
+    out = moe.moe_block(*args, top_k=3)
+    assert rel_err(out, block_reference(args, 3)) < 1e-5
+    assert torch.equal(moe.moe_block(*args, top_k=3), out)
+
+
+def test_moe_block_gemv_config_needs_one_token():
+    args = block_args(2, 32, 8, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="M = 1 only"):
+        moe.moe_block_decode(*args, 2, config=GEMV_SMALL)
+
+
 def test_moe_block_decode_hands_over_routing():
-    """The ids and weights the up kernel writes for the down kernel are the reference routing, and the counters
-    it zeroed were all used up by the down kernel (one arrival per program: P + 1 on each N tile)."""
+    """The ids and weights the up kernel writes for the down kernel (softmax numerators, normalised over each
+    token's K) are the reference routing, and the counters it zeroed were all used up by the down kernel (one
+    arrival per program: P + 1 on each N tile)."""
     M, K, E = 3, 2, 8
     args = block_args(M, 32, E, 16, 16, torch.float32)
     scratch = decode_poisoned(args[0], 16, K, SMALL)
@@ -158,7 +202,8 @@ def test_moe_block_decode_hands_over_routing():
     ref_w, ref_ids = naive.route(args[1][:, :E], K)
     P = M * K
     assert torch.equal(scratch["i32"][:P].long(), ref_ids.flatten())
-    torch.testing.assert_close(scratch["f32"][:P], ref_w.flatten())
+    nums = scratch["f32"][:P].view(M, K)
+    torch.testing.assert_close(nums / nums.sum(-1, keepdim=True), ref_w)
     assert scratch["i32"][P:].tolist() == [P + 1] * (32 // SMALL["down"]["BLOCK_N"])
 
 
@@ -194,9 +239,15 @@ def test_moe_block_decode_is_deterministic():
     assert torch.equal(moe.moe_block(*args, top_k=3), moe.moe_block(*args, top_k=3))
 
 
-def test_moe_block_decode_launches(monkeypatch):
-    """The decode block is two kernel launches and nothing else: every @triton.jit kernel of the module is counted,
-    and the only torch ops it runs are allocations and views (no sum, zeros, copy or cast launches)."""
+@pytest.mark.parametrize(
+    "M,expected",
+    [(1, ["_moe_up_gemv_kernel", "_moe_down_gemv_kernel"]), (3, ["_moe_up_decode_kernel", "_moe_down_decode_kernel"])],
+    ids=["gemv", "decode"],
+)
+def test_moe_block_decode_launches(monkeypatch, M, expected):
+    """The decode block (M = 1: the GEMV kernels) is two kernel launches and nothing else: every @triton.jit
+    kernel of the module is counted, and the only torch ops it runs are allocations and views (no sum, zeros,
+    copy or cast launches)."""
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     launches = []
@@ -224,10 +275,10 @@ def test_moe_block_decode_launches(monkeypatch):
             self.seen.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    args = block_args(3, 32, 8, 16, 16, torch.float32)
+    args = block_args(M, 32, 8, 16, 16, torch.float32)
     with Ops():
         out = moe.moe_block(*args, top_k=2)
-    assert launches == ["_moe_up_decode_kernel", "_moe_down_decode_kernel"]
+    assert launches == expected
     assert Ops.seen <= {
         "empty",
         "new_empty",
