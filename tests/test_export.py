@@ -411,3 +411,34 @@ def test_gpu_methods_match_eager_and_ledger_matches_profiler(gpu, preset, split)
     if preset == "device_planned":  # one record per copy node per call, in decode with T = 1
         copies = [c for method in prog.plan.methods if method != "prefill" for c in prog.plan.copies[method]]
         assert len(recorded) == len(copies)
+
+
+@pytest.mark.parametrize(
+    "dtype,tail,in_place",
+    [
+        (torch.bfloat16, "cast", True),  # the bf16 -> fp32 cast writes the planned buffer itself
+        (torch.float32, "cast", True),  # a no-op cast: the linear's out-variant writes it
+        (torch.float32, "relu", False),  # no out-variant: the executor copies (a recorded d2d)
+    ],
+)
+def test_outputs_in_place(dtype, tail, in_place):
+    """A method output is computed straight into its planned buffer when its last op has an out-variant."""
+    from qmoe.export.program import outputs_in_place
+
+    class Head(torch.nn.Module):
+        def forward(self, x, w):
+            y = torch.nn.functional.linear(x, w)
+            return (y.float() if tail == "cast" else torch.relu(y)).float()
+
+    x, w = torch.randn(2, 8, dtype=dtype), torch.randn(5, 8, dtype=dtype)
+    ep = torch.export.export(Head(), (x, w))
+    gm, written = outputs_in_place(ep.graph_module, [0])
+    assert written == [in_place]
+    linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 1 - (in_place and dtype == torch.float32)  # the replaced op is gone: it runs once
+    out = torch.full((2, 5), float("nan"))
+    (result,) = gm(x, w, out)
+    assert (result.data_ptr() == out.data_ptr()) == in_place
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    ref = (ref if tail == "cast" else torch.relu(ref)).float()
+    torch.testing.assert_close(result, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)

@@ -67,7 +67,9 @@ LOOPS = [(HostRunner, s) for s in ("split", "forward_only")] + [(CudaNativeRunne
 
 def expected_decode_step(runtime: str, split: str, preset: str, B: int, V: int) -> dict:
     """Copies between memory spaces in one decode step (batch B), by design: tokens and positions are 8 B per
-    row, logits 4 V B per row, the six sampling inputs 36 B per row; nothing device to device."""
+    row, logits 4 V B per row, the six sampling inputs 36 B per row. Device to device: with planning on, the
+    sampled token, whose op has no out-variant, is copied into its planned buffer (8 B per row); the logits are
+    computed straight into theirs (the lm_head linear's out-variant)."""
     tok, logits, params = 8 * B, 4 * V * B, 36 * B
     if runtime == "reference" or (runtime == "cuda_native" and preset == "copy_elided"):
         table = (0, 0, 1, tok)  # the token ids read back
@@ -78,7 +80,12 @@ def expected_decode_step(runtime: str, split: str, preset: str, B: int, V: int) 
     else:  # decode: token, position, params up, token down
         table = (8, 2 * tok + params, 1, tok)
     h, hb, d, db = table
-    return {"h2d": {"count": h, "bytes": hb}, "d2h": {"count": d, "bytes": db}, "d2d": {"count": 0, "bytes": 0}}
+    dd = int(runtime == "cuda_native" and preset != "baseline")
+    return {
+        "h2d": {"count": h, "bytes": hb},
+        "d2h": {"count": d, "bytes": db},
+        "d2d": {"count": dd, "bytes": dd * tok},
+    }
 
 
 class CopyCounter:

@@ -251,15 +251,21 @@ def linear_into(x, weight, out, config=None, workspace=None) -> torch.Tensor:
     return out
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, weight)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
     if M > MAX_M or M == 0 or K == 0:
-        return F.linear(x, weight)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    linear_into(x.reshape(M, K), weight, out)
+        return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    linear_into(x.reshape(M, K), weight, out.view(M, N))
     return out.view(*x.shape[:-1], N)
+
+
+def linear_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight) written into `out` [..., N] (contiguous, x's dtype): the out-variant an exported method
+    uses to compute its output straight into the planned buffer (naive.linear_into's semantics)."""
+    return _linear(x, weight, out)
 
 
 @torch.library.custom_op("qmoe::linear", mutates_args=())

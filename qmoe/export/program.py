@@ -1,5 +1,6 @@
 """Program: the exported methods after the device passes, their memory plan, and a minimal executor."""
 
+import copy
 import operator
 
 import torch
@@ -16,11 +17,77 @@ from qmoe.runtime.ledger import HOST, transfer
 DELEGATE_RANGE = "qmoe::delegate"  # profiler range of a delegate call: the memcpys inside it are its own work
 
 
+CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+
+
+def _out_variants() -> dict:
+    """Exported op -> its out-variant f(*op args, out). ExecuTorch runs every op as an out-variant into planned
+    memory; here only the op that produces a method output needs one, so that it writes the planned buffer."""
+    from kernels.linear import naive, triton  # triton registers qmoe::linear
+
+    return {torch.ops.aten.linear.default: naive.linear_out, torch.ops.qmoe.linear.default: triton.linear_out}
+
+
+def _cast_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(x)  # the cast kernel itself writes the planned buffer
+
+
+def _dtype(node: fx.Node) -> torch.dtype:
+    return node.meta["val"].dtype
+
+
+ASSERT = torch.ops.aten._assert_tensor_metadata.default  # export's metadata check: reads none of the value
+
+
+def _uses(node: fx.Node) -> int:
+    """How many nodes consume `node`'s value."""
+    return sum(u.target is not ASSERT for u in node.users)
+
+
+def outputs_in_place(gm: fx.GraphModule, user_outputs: list[int]) -> tuple[fx.GraphModule, list[bool]]:
+    """A copy of `gm` that takes one more input per user output (its planned buffer) and computes each output
+    whose last op has an out-variant, or is a dtype cast, straight into it -> (graph module, which outputs are
+    written in place). The others are returned as before, and the executor copies them (a counted d2d copy)."""
+    graph = copy.deepcopy(gm.graph)
+    variants = _out_variants()
+    result = next(n for n in graph.nodes if n.op == "output")
+    values = list(result.args[0])
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    written = []
+    for j, i in enumerate(user_outputs):
+        with graph.inserting_after(last_input):
+            last_input = buf = graph.placeholder(f"planned_out_{j}")
+        chain = [values[i]]
+        while (
+            chain[-1].target in CASTS
+            and _dtype(chain[-1].args[0]) == _dtype(chain[-1])
+            and _uses(chain[-1].args[0]) == 1
+        ):
+            chain.append(chain[-1].args[0])  # a cast to the dtype it already has returns its input
+        node = chain[-1]
+        if _uses(node) == 1 and node.target in CASTS and _dtype(node.args[0]) != _dtype(node):
+            writer, args = _cast_into, node.args[:1]
+        elif _uses(node) == 1 and node.target in variants and not node.kwargs:
+            writer, args = variants[node.target], node.args
+        else:
+            written.append(False)
+            continue
+        with graph.inserting_after(node):
+            values[i] = graph.call_function(writer, (*args, buf))
+        for check in [u for c in chain for u in c.users if u.target is ASSERT]:  # else they keep the replaced op
+            graph.erase_node(check)  # alive, and it would run a second time
+        written.append(True)
+    result.args = (tuple(values),)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph), written
+
+
 class Delegate:
     """A method's exported graph bound to the live model's weights and caches (by name, never copied):
     delegate(*inputs on the delegate device, out=buffers) -> tuple of outputs. Caches are mutated in place.
-    An output whose `out` buffer is given is written into it as the delegate's last step (the graph's ops have no
-    out= variants): it is part of the delegate, captured with it in a CUDA graph and inside its profiler range."""
+    Given its outputs' planned buffers (`out`), the delegate computes each output whose last op has an
+    out-variant straight into its buffer (`outputs_in_place`); the others come back as the graph's own tensors,
+    and the executor copies them into their buffers, a device-to-device copy it records."""
 
     def __init__(self, method: str, ep: ExportedProgram, model):
         self.graph_module = ep.graph_module
@@ -47,14 +114,16 @@ class Delegate:
                 self.user_outputs.append(i)
             else:
                 raise ExportError(f"method {method}: unsupported exported output kind {spec.kind.name}")
+        self.graph_module_in_place, self.in_place = outputs_in_place(self.graph_module, self.user_outputs)
 
     def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         user = iter(inputs)
-        outs = self.graph_module(*(next(user) if a is None else a for a in self.args))
+        args = [next(user) if a is None else a for a in self.args]
+        planned = bool(out) and all(buf is not None for buf in out)
+        outs = self.graph_module_in_place(*args, *out) if planned else self.graph_module(*args)
         for i, buf in self.mutations:
             buf.copy_(outs[i])
-        out = out or [None] * len(self.user_outputs)
-        return tuple(outs[i] if buf is None else buf.copy_(outs[i]) for i, buf in zip(self.user_outputs, out))
+        return tuple(outs[i] for i in self.user_outputs)
 
 
 def _bind(method: str, target: str, live: dict, val, device) -> torch.Tensor:
@@ -173,13 +242,15 @@ class Method:
                 env[node] = transfer(dst, src, src_space, dst_space, ledger, self.name, "copy_node")
             elif node.target is call_delegate:
                 args = [self._to_delegate(a, env[a], ledger) for a in node.args]
-                # a delegate output on the delegate's side is written by the delegate into its planned buffer
+                # an output on the delegate's side is computed into its planned buffer where its last op allows
                 out = [self.buffer(r.name) if r.meta["qmoe_device"] == self.device else None for r in self.results]
                 with torch.profiler.record_function(DELEGATE_RANGE):
                     outs = self.delegate(*args, out=out)
-                for r, buf, value in zip(self.results, out, outs):  # planning off: the delegate copies out
-                    if buf is None:
+                for r, buf, value in zip(self.results, out, outs):
+                    if buf is None:  # planning off: the delegate copies its output out to the host
                         buf = transfer(self.buffer(r.name), value, self.device, HOST, ledger, self.name, "delegate")
+                    elif value.data_ptr() != buf.data_ptr():  # no out-variant: one more copy on the device
+                        transfer(buf, value, self.device, self.device, ledger, self.name, "delegate")
                     env[r] = buf
         return tuple(env[n] for n in self.nodes[-1].args[0])
 

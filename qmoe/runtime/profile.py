@@ -1,8 +1,8 @@
 """What the profiler sees copied: CUDA memcpy activity (host-to-device, device-to-host, device-to-device), count
 and bytes, to check the transfer ledger against. A device-to-device memcpy launched inside a delegate call (its
-profiler range, program.DELEGATE_RANGE: an internal copy of the exported graph, or the delegate writing its
-output into its planned buffer) is the delegate's own work, like a kernel, and is not counted; a host<->device
-memcpy is counted wherever it is launched."""
+profiler range, program.DELEGATE_RANGE: an internal copy of the exported graph) is the delegate's own work,
+like a kernel, and is not counted; the executor's copy of an output into its planned buffer runs outside that
+range and is counted, as the ledger counts it; a host<->device memcpy is counted wherever it is launched."""
 
 import json
 import os
