@@ -77,6 +77,18 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     assert BT >= KW - 1, "only the first time block reads the conv state"
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
     _causal_conv1d_kernel[grid](
-        x, weight, conv_state, out, T, C, x.stride(0), x.stride(1), KW=KW, KP=triton.next_power_of_2(KW - 1), BT=BT, BC=BC, num_warps=4
+        x,
+        weight,
+        conv_state,
+        out,
+        T,
+        C,
+        x.stride(0),
+        x.stride(1),
+        KW=KW,
+        KP=triton.next_power_of_2(KW - 1),
+        BT=BT,
+        BC=BC,
+        num_warps=4,
     )
     return out
