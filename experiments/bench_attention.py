@@ -1,4 +1,5 @@
-"""Decode attention (Triton flash-decoding vs the model's torch path) and prefill attention at 35B-A3B dims.
+"""The gated attention layer (q/k norm + RoPE, KV cache write, attention, output gate; Triton vs the model's torch
+path) at 35B-A3B dims, decode and prefill.
 
 Decode: batch 1, bf16, 16 q / 2 kv heads of 256, static cache of --cache-len slots, context 1k / 8k / 32k.
 Each call is timed inside one CUDA graph of many calls (the decode step is graph-captured, so launch
@@ -33,16 +34,33 @@ ACTIVE_PARAMS = (
 )
 
 
+def layer_inputs(T: int, cache_len: int, device: str, dtype) -> dict:
+    """gated_attention's arguments as the model passes them: q, gate, k, v strided views of one fused q|k|v
+    projection output, norm weights, the caches, positions 0..T-1 (prefill) or [context - 1] (set by callers)."""
+    fused = torch.randn(1, T, 2 * HQ * D + 2 * HKV * D, device=device, dtype=dtype)
+    qg, k, v = fused.split([2 * HQ * D, HKV * D, HKV * D], dim=-1)
+    q, gate = qg.view(1, T, HQ, 2 * D).chunk(2, dim=-1)
+    k_cache, v_cache = torch.zeros(2, 1, HKV, cache_len, D, device=device, dtype=dtype)
+    return dict(
+        q=q, gate=gate, k=k.view(1, T, HKV, D), v=v.view(1, T, HKV, D),
+        q_weight=torch.zeros(D, device=device, dtype=dtype), k_weight=torch.zeros(D, device=device, dtype=dtype),
+        k_cache=k_cache, v_cache=v_cache, positions=torch.arange(T, device=device)[None],
+        inv_freq=1.0 / (1e7 ** (torch.arange(0, ROT, 2, dtype=torch.float32, device=device) / ROT)),
+    )  # fmt: skip
+
+
 def bench_decode(context: int, cache_len: int, device: str, dtype) -> dict:
+    """The whole gated attention layer of one decode token (q/k norm + RoPE, cache write, attention, gate)."""
     kv_read = 2 * HKV * context * D * dtype.itemsize  # K and V of keys 0..pos
     copies = max(2, -(-L2_FLUSH_BYTES // kv_read)) if device == "cuda" else 2
-    caches = [torch.randn(2, 1, HKV, cache_len, D, device=device, dtype=dtype) for _ in range(copies)]
-    q = torch.randn(1, 1, HQ, D, device=device, dtype=dtype)
-    k, v = torch.randn(2, 1, 1, HKV, D, device=device, dtype=dtype)
-    pos = torch.full((1, 1), context - 1, device=device)
+    layers = [layer_inputs(1, cache_len, device, dtype) for _ in range(copies)]
+    for x in layers:
+        x["k_cache"].normal_()
+        x["v_cache"].normal_()
+        x["positions"].fill_(context - 1)
     row = {"context": context, "cache_len": cache_len, "kv_bytes_read": kv_read, "rotated_caches": copies}
-    for name, attn in (("triton", tri.attention), ("torch", naive.attention)):
-        call = lambda i, attn=attn: attn(q, k, v, caches[i][0], caches[i][1], pos, D**-0.5)
+    for name, attn in (("triton", tri.gated_attention), ("torch", naive.gated_attention)):
+        call = lambda i, attn=attn: attn(**layers[i], eps=1e-6, scale=D**-0.5)
         us, method = time_calls(call, copies, device)
         row[f"{name}_us"], row[f"{name}_gbs"], row[f"{name}_timing"] = us, kv_read / us / 1e3, method
     row["speedup_vs_torch"] = row["torch_us"] / row["triton_us"]
@@ -51,35 +69,21 @@ def bench_decode(context: int, cache_len: int, device: str, dtype) -> dict:
 
 
 def bench_prefill(T: int, cache_len: int, device: str, dtype) -> dict:
-    """Prefill attention of T tokens from position 0 (Triton kernel and the torch path) against the rest of
-    the attention layer (projections, q/k norm + RoPE, output gate)."""
+    """Prefill of T tokens from position 0: the gated attention layer (Triton: norm + RoPE + cache write, then
+    flash attention with the gate; torch: the reference) against the rest of the attention layer (the q|k|v and
+    o projections)."""
     x = torch.randn(1, T, HIDDEN, device=device, dtype=dtype)
-    weight = lambda n, k: torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
-    w_qg, w_k, w_v, w_o = (
-        weight(2 * HQ * D, HIDDEN),
-        weight(HKV * D, HIDDEN),
-        weight(HKV * D, HIDDEN),
-        weight(HIDDEN, HQ * D),
-    )
-    norm_w = torch.zeros(D, device=device, dtype=dtype)
-    inv_freq = 1.0 / (1e7 ** (torch.arange(0, ROT, 2, dtype=torch.float32, device=device) / ROT))
-    k_cache, v_cache = torch.zeros(2, 1, HKV, cache_len, D, device=device, dtype=dtype)
-    positions = torch.arange(T, device=device)[None]
-
-    def project(x):
-        q, gate = F.linear(x, w_qg).view(1, T, HQ, 2 * D).chunk(2, dim=-1)
-        k, v = F.linear(x, w_k).view(1, T, HKV, D), F.linear(x, w_v).view(1, T, HKV, D)
-        q, k = tri.qk_norm_rope(q, k, norm_w, norm_w, positions, inv_freq, 1e-6)
-        return q, k, v, gate
+    w_qkv = torch.randn(2 * HQ * D + 2 * HKV * D, HIDDEN, device=device, dtype=dtype) * HIDDEN**-0.5
+    w_o = torch.randn(HIDDEN, HQ * D, device=device, dtype=dtype) * (HQ * D) ** -0.5
+    attn_out = torch.randn(1, T, HQ * D, device=device, dtype=dtype)
+    layer = layer_inputs(T, cache_len, device, dtype)
 
     def rest(i):  # the attention layer without its attention core
-        q, k, v, gate = project(x)
-        return F.linear(q.reshape(1, T, -1) * torch.sigmoid(gate.reshape(1, T, -1)), w_o)
+        return F.linear(x, w_qkv), F.linear(attn_out, w_o)
 
-    q, k, v, _ = project(x)
     row = {"T": T, "cache_len": cache_len}
-    for name, attn in (("triton", tri.attention), ("torch", naive.attention)):
-        call = lambda i, attn=attn: attn(q, k, v, k_cache, v_cache, positions, D**-0.5)
+    for name, attn in (("triton", tri.gated_attention), ("torch", naive.gated_attention)):
+        call = lambda i, attn=attn: attn(**layer, eps=1e-6, scale=D**-0.5)
         us, _ = time_calls(call, 2, device, reps=3)
         row[f"{name}_attention_us"] = us
         row[f"{name}_attention_tflops"] = 4 * T * (T + 1) / 2 * D * HQ / us / 1e6  # causal FLOPs actually needed

@@ -2,8 +2,8 @@
 prefill (M = 4096) sizes.
 
 add_rms_norm: residual add + zero-centred RMSNorm over hidden 2048 (reads x and residual, writes both
-outputs). qk_norm_rope: per-head RMSNorm + partial RoPE of 16 q heads (a strided view, as in the model) and
-2 k heads of 256. gated_rms_norm: DeltaNet's 32 value heads of 128 with the silu(z) gate. Each call is timed
+outputs). gated_rms_norm: DeltaNet's 32 value heads of 128 with the silu(z) gate (q/k norm + RoPE now runs
+inside the attention kernels: experiments/bench_attention.py times the whole layer). Each call is timed
 inside one CUDA graph of many calls on rotated inputs (launch overhead excluded, as in the captured decode
 step); GB/s counts the bytes each op must read and write. The copy ceiling is measured in the same run.
 
@@ -18,21 +18,17 @@ from pathlib import Path
 import torch
 from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, print_targets, target, time_calls
 
-from kernels.attention import naive as attn_naive
-from kernels.attention import triton as attn_tri
 from kernels.norm import naive as norm_naive
 from kernels.norm import triton as norm_tri
 from qmoe.metrics.measure import environment
 
-HIDDEN, HQ, HKV, D, ROT, HV, DV, EPS = 2048, 16, 2, 256, 64, 32, 128, 1e-6
+HIDDEN, HV, DV, EPS = 2048, 32, 128, 1e-6
 
 
 def make_cases(M: int, device: str, dtype) -> dict:
     """op -> (bytes moved per call, make_inputs(), torch fn, triton fn)."""
     randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
-    w_hidden, w_head, w_gate = 0.1 * randn(HIDDEN), 0.1 * randn(D), 1 + 0.1 * randn(DV)
-    inv_freq = 1.0 / (1e7 ** (torch.arange(0, ROT, 2, dtype=torch.float32, device=device) / ROT))
-    positions = torch.arange(M, device=device)[:, None]  # M rows of one token each (decode batch / prefill)
+    w_hidden, w_gate = 0.1 * randn(HIDDEN), 1 + 0.1 * randn(DV)
     size = dtype.itemsize
     return {
         "add_rms_norm": (
@@ -40,12 +36,6 @@ def make_cases(M: int, device: str, dtype) -> dict:
             lambda: (randn(M, 1, HIDDEN), randn(M, 1, HIDDEN)),
             lambda x, r: norm_naive.add_rms_norm(x, r, w_hidden, EPS),
             lambda x, r: norm_tri.add_rms_norm(x, r, w_hidden, EPS),
-        ),
-        "qk_norm_rope": (
-            2 * M * (HQ + HKV) * D * size,
-            lambda: (randn(M, 1, HQ, 2 * D)[..., :D], randn(M, 1, HKV, D)),  # q: the model's chunk of q_proj
-            lambda q, k: attn_naive.qk_norm_rope(q, k, w_head, w_head, positions, inv_freq, EPS),
-            lambda q, k: attn_tri.qk_norm_rope(q, k, w_head, w_head, positions, inv_freq, EPS),
         ),
         "gated_rms_norm": (
             3 * M * HV * DV * size,
@@ -78,7 +68,7 @@ def main():
     sizes = [1, 4] if args.smoke else [1, 8, 64, 4096]
     t0 = time.time()
     copy_gbs = copy_bandwidth_gbs(device)
-    rows = [bench(op, M, device, dtype) for op in ("add_rms_norm", "qk_norm_rope", "gated_rms_norm") for M in sizes]
+    rows = [bench(op, M, device, dtype) for op in ("add_rms_norm", "gated_rms_norm") for M in sizes]
 
     # Targets: at prefill size the fused ops stream at >= 70% of the copy ceiling; at decode sizes they are
     # latency-bound: one launch, <= 4 us inside a graph, and never slower than the torch path.
@@ -94,7 +84,7 @@ def main():
     result = {
         **environment(torch.device(device)),
         "benchmark": "norm",
-        "dims": {"hidden": HIDDEN, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "rotary_dim": ROT,
+        "dims": {"hidden": HIDDEN,
                  "value_heads": HV, "value_head_dim": DV, "dtype": str(dtype)},
         "ceilings": {"copy_gbs": copy_gbs},
         "rows": rows,

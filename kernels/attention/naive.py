@@ -58,3 +58,25 @@ def attention(
         enable_gqa=True,
     )
     return out.transpose(1, 2)
+
+
+def gated_attention(
+    q: torch.Tensor,  # [B, T, Hq, D] raw query (before its norm)
+    gate: torch.Tensor,  # [B, T, Hq, D] output-gate logits
+    k: torch.Tensor,  # [B, T, Hkv, D] raw key
+    v: torch.Tensor,  # [B, T, Hkv, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D], written in place at `positions`
+    v_cache: torch.Tensor,  # [B, Hkv, S, D]
+    positions: torch.Tensor,  # [B, T] int64
+    inv_freq: torch.Tensor,  # [R/2] fp32
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """The gated attention layer between its q|k|v projection and o_proj -> [B, T, Hq * D]: q/k norm + RoPE,
+    causal GQA attention over the cache (new k/v written in place), times sigmoid(gate)."""
+    B, T = q.shape[:2]
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+    out = attention(q, k, v, k_cache, v_cache, positions, scale)
+    return out.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))

@@ -66,7 +66,7 @@ def _store_block(t_ptr, i: tl.constexpr, j: tl.constexpr, x):
 
 @triton.jit
 def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr,
-               t_ptr, T, Tp, C, scale,
+               t_ptr, T, Tp, C, stride_ab, stride_at, stride_bb, stride_bt, scale,
                NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     chunk, bh = tl.program_id(0), tl.program_id(1)
@@ -81,7 +81,8 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     k_ptrs, k_mask = rows + (NK + hk) * DK + ik[None, :], mt[:, None] & (ik < DK)[None, :]
     k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [64, BK]
     k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + 1e-6)  # [64]
-    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, (b * T + t) * NV + h, h, mt)
+    a_ptrs, b_ptrs = a_ptr + b * stride_ab + t * stride_at + h, b_ptr + b * stride_bb + t * stride_bt + h
+    g, beta = gates(a_ptrs, b_ptrs, A_log_ptr, dt_bias_ptr, h, mt)
     gc = tl.cumsum(g, axis=0)  # [64] log decay from the chunk start
 
     q = tl.load(k_ptrs - NK * DK, mask=k_mask, other=0.0)  # [64, BK]
@@ -183,17 +184,20 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr,
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, eps, D: tl.constexpr, BR: tl.constexpr,
-                       BD: tl.constexpr):  # fmt: skip
-    """Rows [n_rows, D]: w * rmsnorm(o) * silu(z), rounding like kernels.norm.naive.gated_rms_norm."""
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, T, stride_zb, stride_zt, eps, NV: tl.constexpr,
+                       D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Rows [n_rows = B * T * NV, D]: w * rmsnorm(o) * silu(z), rounding like kernels.norm.naive.gated_rms_norm;
+    z's value-head row (b, t, h) at b * stride_zb + t * stride_zt + h * D."""
     row = tl.program_id(0) * BR + tl.arange(0, BR)
     i = tl.arange(0, BD)
     mask = (row < n_rows)[:, None] & (i < D)[None, :]
     offs = row[:, None] * D + i[None, :]
+    token, h = row // NV, row % NV
+    z_row = (token // T) * stride_zb + (token % T) * stride_zt + h * D
     dtype = out_ptr.dtype.element_ty
     o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (o * tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)[:, None]).to(dtype)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + z_row[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + i, mask=i < D, other=0.0)
     tl.store(out_ptr + offs, ((w[None, :] * y).to(tl.float32) * z * tl.sigmoid(z)).to(dtype), mask=mask)
 
@@ -203,7 +207,8 @@ def _blocks(dk: int, dv: int) -> tuple[int, int]:
 
 
 def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) -> dict:
-    """Per chunk of conv output qkv [B, T, C], with Tp = T rounded up to the chunk: u [B, nv, Tp, dv] and
+    """Per chunk of conv output qkv [B, T, C] (contiguous; a, b [B, T, nv] may be (b, t)-strided views), with
+    Tp = T rounded up to the chunk: u [B, nv, Tp, dv] and
     w [B, nv, Tp, dk] (activation dtype); fp32 gc (in-chunk log decay), q_scale, k_scale [B, nv, Tp] and
     attn [B, nv, Tp, 64] (the output's intra-chunk attention, activation dtype)."""
     B, T, C = qkv.shape
@@ -218,7 +223,8 @@ def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) 
     attn = torch.empty(B, nv, Tp, CHUNK, dtype=qkv.dtype, device=qkv.device)
     t_scratch = torch.empty(B, nv, Tp, CHUNK, dtype=torch.float32, device=qkv.device)  # A, then (I + A)^-1
     _wy_kernel[(n_chunks, B * nv)](
-        qkv, a, b, A_log, dt_bias, u, w, gc, q_scale, k_scale, attn, t_scratch, T, Tp, C, dk**-0.5,
+        qkv, a, b, A_log, dt_bias, u, w, gc, q_scale, k_scale, attn, t_scratch, T, Tp, C,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8,
     )  # fmt: skip
     return dict(u=u, w=w, gc=gc, q_scale=q_scale, k_scale=k_scale, attn=attn)
@@ -245,21 +251,25 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """kernels.norm.naive.gated_rms_norm of o [B, T, nv, dv] with z [B, T, nv * dv] -> [B, T, nv * dv]."""
+    """kernels.norm.naive.gated_rms_norm of o [B, T, nv, dv] (contiguous) with z [B, T, nv * dv] (a (b, t)-strided
+    view is read in place) -> [B, T, nv * dv]."""
     B, T, nv, dv = o.shape
+    assert o.is_contiguous() and z.stride(-1) == 1
     out = torch.empty(B, T, nv * dv, dtype=o.dtype, device=o.device)
     n_rows, BR = B * T * nv, 16
     BD = _blocks(dv, dv)[1]
-    _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](o, z, weight, out, n_rows, eps, D=dv, BR=BR, BD=BD)
+    _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](
+        o, z, weight, out, n_rows, T, z.stride(0), z.stride(1), eps, NV=nv, D=dv, BR=BR, BD=BD
+    )
     return out
 
 
 def gated_delta_net_prefill(
     mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
 ) -> torch.Tensor:
-    """naive.gated_delta_net for any T (meant for T > 1); same arguments, same in-place state updates."""
-    for t in (mixed_qkv, z, a, b, recurrent_state):
-        assert t.is_contiguous()
+    """naive.gated_delta_net for any T (meant for T > 1); same arguments, same in-place state updates.
+    mixed_qkv, z, a and b may be (b, t)-strided views (the fused in_proj's slices): read in place, never copied."""
+    assert recurrent_state.is_contiguous() and a.stride(-1) == 1 and b.stride(-1) == 1
     dk, dv = recurrent_state.shape[2:]
     qkv = causal_conv1d(mixed_qkv, conv_state, conv_weight)  # [B, T, C]
     wy = wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads, dk, dv)

@@ -7,12 +7,14 @@ import triton.language as tl
 
 @triton.jit
 def _causal_conv1d_kernel(
-    x_ptr,  # [B, T, C]
+    x_ptr,  # [B, T, C], rows (b, t) at b * stride_xb + t * stride_xt
     w_ptr,  # [C, KW]
     state_ptr,  # [B, C, KW-1], read (first block) then overwritten with the last KW-1 inputs
     out_ptr,  # [B, T, C]
     T,
     C,
+    stride_xb,
+    stride_xt,
     KW: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= KW-1: the state slots as one tile
     BT: tl.constexpr,
@@ -22,7 +24,7 @@ def _causal_conv1d_kernel(
     t = pid_t * BT + tl.arange(0, BT)  # [BT]
     c = pid_c * BC + tl.arange(0, BC)  # [BC]
     mc = c < C
-    x_base = x_ptr + b * T * C
+    x_base = x_ptr + b * stride_xb
     s_base = state_ptr + b * C * (KW - 1)
 
     acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -30,7 +32,7 @@ def _causal_conv1d_kernel(
         # tap j reads sequence position t - (KW-1) + j: the prompt when >= 0, else the conv state
         src = t - (KW - 1) + j  # [BT]
         from_x = (src >= 0) & (t < T)
-        xv = tl.load(x_base + src[:, None] * C + c[None, :], mask=from_x[:, None] & mc[None, :], other=0.0)
+        xv = tl.load(x_base + src[:, None] * stride_xt + c[None, :], mask=from_x[:, None] & mc[None, :], other=0.0)
         from_s = (src < 0) & (t < T)
         sv = tl.load(
             s_base + c[None, :] * (KW - 1) + (src + KW - 1)[:, None], mask=from_s[:, None] & mc[None, :], other=0.0
@@ -52,7 +54,7 @@ def _causal_conv1d_kernel(
         mi = i < KW - 1
         pos = T + i - (KW - 1)  # position in x
         x_tail = tl.load(
-            x_base + pos[None, :] * C + c[:, None], mask=mc[:, None] & (mi & (pos >= 0))[None, :], other=0.0
+            x_base + pos[None, :] * stride_xt + c[:, None], mask=mc[:, None] & (mi & (pos >= 0))[None, :], other=0.0
         )
         s_tail = tl.load(
             s_base + c[:, None] * (KW - 1) + (T + i)[None, :], mask=mc[:, None] & (mi & (pos < 0))[None, :], other=0.0
@@ -65,15 +67,28 @@ def _causal_conv1d_kernel(
 
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(depthwise causal conv) of x [B, T, C] continuing from conv_state [B, C, KW-1] (updated in place)
-    with weight [C, 1, KW] -> [B, T, C] in x.dtype."""
+    with weight [C, 1, KW] -> [B, T, C] in x.dtype (contiguous). x may be a (b, t)-strided view (a slice of the
+    fused in_proj output): it is read in place."""
     B, T, C = x.shape
     KW = weight.shape[-1]
-    assert x.is_contiguous() and conv_state.is_contiguous() and weight.is_contiguous()
-    out = torch.empty_like(x)
+    assert x.stride(-1) == 1 and conv_state.is_contiguous() and weight.is_contiguous()
+    out = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     BT, BC = 16, 128
     assert BT >= KW - 1, "only the first time block reads the conv state"
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
     _causal_conv1d_kernel[grid](
-        x, weight, conv_state, out, T, C, KW=KW, KP=triton.next_power_of_2(KW - 1), BT=BT, BC=BC, num_warps=4
+        x,
+        weight,
+        conv_state,
+        out,
+        T,
+        C,
+        x.stride(0),
+        x.stride(1),
+        KW=KW,
+        KP=triton.next_power_of_2(KW - 1),
+        BT=BT,
+        BC=BC,
+        num_warps=4,
     )
     return out

@@ -55,10 +55,10 @@ def _l2norm(x):
 
 @triton.jit
 def _decode_kernel(
-    x_ptr,  # [B, C] mixed q|k|v of the new token
-    z_ptr,  # [B, NV*DV]
-    a_ptr,  # [B, NV]
-    b_ptr,  # [B, NV]
+    x_ptr,  # [B, C] mixed q|k|v of the new token, rows stride_x apart (slices of the fused in_proj output)
+    z_ptr,  # [B, NV*DV], rows stride_z apart
+    a_ptr,  # [B, NV], rows stride_a apart
+    b_ptr,  # [B, NV], rows stride_b apart
     conv_w_ptr,  # [C, KW]
     A_log_ptr,  # [NV]
     dt_bias_ptr,  # [NV]
@@ -68,6 +68,10 @@ def _decode_kernel(
     readers_ptr,  # [B*NK] int32 zeros: programs that have read a key head's q/k conv state; left at 0
     out_ptr,  # [B, NV*DV]
     C,
+    stride_x,
+    stride_z,
+    stride_a,
+    stride_b,
     eps,
     scale,
     NK: tl.constexpr,
@@ -83,7 +87,7 @@ def _decode_kernel(
     hk = h // G
     NV = NK * G
     dtype = out_ptr.dtype.element_ty
-    x_row, conv_row = x_ptr + b * C, conv_ptr + b * C * (KW - 1)
+    x_row, conv_row = x_ptr + b * stride_x, conv_ptr + b * C * (KW - 1)
     ik, iv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = ik < DK, iv < DV
     q_ch, k_ch, v_ch = hk * DK + ik, (NK + hk) * DK + ik, 2 * NK * DK + h * DV + iv
@@ -97,9 +101,9 @@ def _decode_kernel(
     k_old, k_shifted, k_x, k_w, k_w_new = _conv_load(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP)
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
     v_old, v_shifted, v_x, v_w, v_w_new = _conv_load(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
-    z = tl.load(z_ptr + b * NV * DV + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
+    z = tl.load(z_ptr + b * stride_z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
-    g, beta = gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, b * NV + h, h, h < NV)
+    g, beta = gates(a_ptr + b * stride_a + h, b_ptr + b * stride_b + h, A_log_ptr, dt_bias_ptr, h, h < NV)
     tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
     readers = readers_ptr + b * NK + hk
     earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
@@ -128,13 +132,17 @@ def _decode_kernel(
         tl.store(readers, 0)
 
 
-_readers = {}  # (device, size) -> int32 zeros, one per (row, key head); each key head's last program resets its own
+_readers = {}  # (device, size) -> int32 counters, one per (row, key head); see reader_counters
 
 
 def reader_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed counters kept between calls (launches on one stream at a time per device). One buffer per size,
-    never freed: a CUDA graph captured at one batch size keeps using its buffer after calls at another.
-    Allocated outside any capture: a warm-up call at the batch size must come first, as for Triton's compile."""
+    """The kernel's arrival counters for n (row, key head) pairs on `device`: zero between calls, one buffer per
+    (device, n), never freed. Invariants (tests/kernel_ops/test_gdn.py checks the first two):
+    - zero between calls: the last reader of each key head resets its counter, so no launch clears them;
+    - never freed or reallocated: a CUDA graph captured at one batch size keeps a valid pointer after calls at
+      another, so the first call at a size (it allocates) must come before any capture, like Triton's compile;
+    - launches that share a buffer (same device and size) are stream-ordered: two streams running decode steps
+      of the same shape at once would race on the counters (this process runs one decode loop at a time)."""
     buf = _readers.get((device, n))
     if buf is None:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
@@ -142,23 +150,29 @@ def reader_counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+def _rows(t: torch.Tensor) -> int:
+    """Row stride of a [B, 1, N] activation (a slice of the fused projection's output); its last dim unit-stride."""
+    assert t.stride(-1) == 1, "the feature dim must be contiguous"
+    return t.stride(0)
+
+
 def gated_delta_net_decode(
     mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
 ) -> torch.Tensor:
-    """naive.gated_delta_net for T == 1 as one kernel launch; same arguments, same in-place state updates."""
+    """naive.gated_delta_net for T == 1 as one kernel launch; same arguments, same in-place state updates.
+    mixed_qkv, z, a and b may be row-strided views (the fused in_proj's slices): read in place, never copied."""
     B, T, C = mixed_qkv.shape
     assert T == 1
     nv, dk, dv = recurrent_state.shape[1:]
     nk = num_k_heads
-    for t in (mixed_qkv, z, a, b, conv_weight, conv_state, recurrent_state):
-        assert t.is_contiguous()
+    assert conv_weight.is_contiguous() and conv_state.is_contiguous() and recurrent_state.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     readers = reader_counters(B * nk, mixed_qkv.device)
     BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     kw = conv_weight.shape[-1]
     _decode_kernel[(B, nv)](
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, readers, out,
-        C, eps, dk**-0.5,
+        C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV,
         num_warps=8 if BK * BV >= 128 * 64 else 4,
     )  # fmt: skip

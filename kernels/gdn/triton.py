@@ -1,12 +1,14 @@
 """Triton Gated DeltaNet: the model's `kernels.gdn=triton` path, same function and signature as naive.py.
 
 T == 1 (decode) is one fused kernel (fused_recurrent.py); T > 1 (prefill) is the causal conv, the chunked
-WY/UT delta rule and the gated norm (conv.py, chunk.py). Wrapped as a custom op that declares its in-place
-state updates, so the model still exports with torch.export and the decode step captures in a CUDA graph.
+WY/UT delta rule and the gated norm (conv.py, chunk.py). The projections' outputs are read in place as the
+fused in_proj's strided slices. Under `kernels.tracing()` the call goes through a custom op that declares its
+in-place state updates (torch.export; the decode step captures in a CUDA graph); in eager it launches directly.
 """
 
 import torch
 
+import kernels
 from kernels.gdn.chunk import gated_delta_net_prefill
 from kernels.gdn.fused_recurrent import gated_delta_net_decode
 
@@ -26,10 +28,14 @@ def _gated_delta_net(
     num_k_heads: int,
     eps: float,
 ) -> torch.Tensor:
-    impl = gated_delta_net_decode if mixed_qkv.shape[1] == 1 else gated_delta_net_prefill
-    return impl(
+    return _launch(
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
     )
+
+
+def _launch(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps):
+    impl = gated_delta_net_decode if mixed_qkv.shape[1] == 1 else gated_delta_net_prefill
+    return impl(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps)
 
 
 @_gated_delta_net.register_fake
@@ -53,6 +59,7 @@ def gated_delta_net(
     eps: float,
 ) -> torch.Tensor:
     """DeltaNet core between in_proj and out_proj -> [B, T, nv * dv], as naive.gated_delta_net."""
-    return _gated_delta_net(
+    op = _gated_delta_net if kernels.tracing() else _launch
+    return op(
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
     )

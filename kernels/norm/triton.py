@@ -1,13 +1,16 @@
 """Triton norms: zero-centred RMSNorm, the residual add fused into it, and DeltaNet's gated RMSNorm.
 
-One program per row; every reduction in fp32. Each op is a `torch.library.custom_op` (with a fake) so the
-model exports with torch.export; the `*_into` launchers write into a caller-given output (tests poison it).
+One program per row; every reduction in fp32. Under `kernels.tracing()` each op goes through its
+`torch.library.custom_op` (with a fake) so the model exports with torch.export; in eager it launches directly.
+The `*_into` launchers write into a caller-given output (tests poison it).
 Rounding mirrors naive.py: where the reference rounds an intermediate to the input dtype, so do we.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+import kernels
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -105,20 +108,13 @@ def gated_rms_norm_into(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     )
 
 
-@torch.library.custom_op("qmoe_norm::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rms_norm_into(x, weight, eps, out)
     return out
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("qmoe_norm::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(
+def _add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -127,16 +123,25 @@ def _add_rms_norm_op(
     return out, hidden
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("qmoe_norm::gated_rms_norm", mutates_args=())
-def _gated_rms_norm_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     gated_rms_norm_into(x, z, weight, eps, out)
     return out
+
+
+_rms_norm_op = torch.library.custom_op("qmoe_norm::rms_norm", _rms_norm, mutates_args=())
+_add_rms_norm_op = torch.library.custom_op("qmoe_norm::add_rms_norm", _add_rms_norm, mutates_args=())
+_gated_rms_norm_op = torch.library.custom_op("qmoe_norm::gated_rms_norm", _gated_rms_norm, mutates_args=())
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @_gated_rms_norm_op.register_fake
@@ -146,16 +151,16 @@ def _(x, z, weight, eps):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
-    return _rms_norm_op(x, weight, eps)
+    return (_rms_norm_op if kernels.tracing() else _rms_norm)(x, weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass."""
-    return _add_rms_norm_op(x, residual, weight, eps)
+    return (_add_rms_norm_op if kernels.tracing() else _add_rms_norm)(x, residual, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet's output norm per value head: w * rmsnorm(x) (plain weight), then * silu(z)."""
-    return _gated_rms_norm_op(x, z, weight, eps)
+    return (_gated_rms_norm_op if kernels.tracing() else _gated_rms_norm)(x, z, weight, eps)

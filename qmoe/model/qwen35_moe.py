@@ -74,14 +74,13 @@ class GatedAttention(nn.Module):
         B, T, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
         q, k, v = ops["linear"].linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
-        q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # strided views, no copies
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        attn = ops["attention"]
-        q, k = attn.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.eps)
-        out = attn.attention(q, k, v, self.k_cache, self.v_cache, positions, self.head_dim**-0.5)
-        out = out.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return ops["linear"].linear(out, self.o_proj.weight)
+        norms, caches = (self.q_norm.weight, self.k_norm.weight), (self.k_cache, self.v_cache)
+        scale = self.head_dim**-0.5
+        out = ops["attention"].gated_attention(q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale)
+        return ops["linear"].linear(out, self.o_proj.weight)  # out [B, T, Hq * D]
 
 
 class GatedDeltaNet(nn.Module):

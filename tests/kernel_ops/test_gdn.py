@@ -128,6 +128,36 @@ def test_prefill(poison, B, T, dims):
     check(out, ref, x, x_ref, 1e-5, 1e-5)
 
 
+def as_fused_slices(x):
+    """x with mixed_qkv, z, b, a replaced by views of one [B, T, C + nv*dv + 2*nv] tensor, as the model passes
+    the fused in_proj's output: every row is the fused width apart, so a kernel that assumes contiguous rows
+    reads the wrong token."""
+    names = ("mixed_qkv", "z", "b", "a")
+    fused = torch.cat([x[n] for n in names], dim=-1)
+    return {**x, **dict(zip(names, fused.split([x[n].shape[-1] for n in names], dim=-1)))}
+
+
+# fp16 rounds the activations and the conv state where fp32 does not: the error of the fp16 reference itself
+STRIDED_TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "B,T,dims",
+    [
+        (3, 1, TINY),  # decode, batch 3: rows one fused width apart
+        (2, 65, SMALL),  # prefill across a chunk boundary: conv, gates and gated norm read (b, t)-strided rows
+    ],
+)
+def test_reads_fused_projection_slices(poison, dtype, B, T, dims):
+    x = as_fused_slices(make_inputs(B, T, **dims, dtype=dtype, seed=B + T))
+    assert not x["mixed_qkv"].is_contiguous() and not x["z"].is_contiguous()
+    x_ref = {k: v.float().contiguous().clone() for k, v in x.items()}  # the states are updated in place
+    out = run(gdn_triton, x, dims["nk"])
+    ref = run(naive, x_ref, dims["nk"])
+    check(out, ref, x, x_ref, STRIDED_TOL[dtype], STRIDED_TOL[dtype])
+
+
 def test_prefill_near_identical_keys(poison):
     """The hardest case for the triangular inverse: every key almost the same direction, beta near 1 and
     almost no decay, so A is close to the all-ones strictly lower matrix and its powers grow large."""
