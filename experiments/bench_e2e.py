@@ -15,7 +15,6 @@ nothing). Targets are printed met / missed with factors.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -35,12 +34,7 @@ from qmoe.metrics.measure import active_weight_bytes  # noqa: E402
 from qmoe.settings import validate  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-# The dense projections run on the Triton GEMV once kernels/linear/triton.py exists (set explicitly: other
-# engineers change the defaults of the kernels=triton group)
-TRITON = ("kernels=triton",) + (
-    ("++kernels.linear=triton",) if importlib.util.find_spec("kernels.linear.triton") else ()
-)
-FAST = ("runtime=cuda_native", "export=copy_elided", *TRITON, "runtime.cuda_graph=true")
+FAST = ("runtime=cuda_native", "export=copy_elided", "kernels=triton", "runtime.cuda_graph=true")
 TRITON_GROUPS = ("linear", "moe", "sampling", "gdn", "attention", "norm")
 PARTS = {  # op group -> part of the decode step
     "linear": "dense GEMVs",
@@ -287,7 +281,7 @@ def main():
     else:
         model_args, fast, device, prompts, batches = ["model=qwen35_moe"], FAST, "cuda", (128, 4096), (8, 32)
         new_tokens, hf_new, ref_tokens = args.new_tokens, 32, 32
-    groups = {g: "triton" for g in TRITON_GROUPS if importlib.util.find_spec(f"kernels.{g}.triton")}
+    groups = {g: "triton" for g in TRITON_GROUPS}
     t0 = time.time()
     ceil = ceilings(device)
 
@@ -328,7 +322,7 @@ def main():
         )
         if not args.smoke:
             targets.append(target(f"decode ms/step, batch {B}", row["decode_ms_p50"], TARGETS_MS[(B, 128)], True))
-    for label, kernel_args in (("torch ops", ()), ("Triton ops", TRITON)):
+    for label, kernel_args in (("torch ops", ()), ("Triton ops", ("kernels=triton",))):
         row = run(f"qmoe reference runner ({label}, eager)", "runtime=reference", *kernel_args,
                   f"prompt.length={prompts[0]}", f"generation.max_new_tokens={ref_tokens}")  # fmt: skip
     targets.append(target("eager reference runner, Triton ops, tokens/s", row["tokens_per_s"], 100, False))
