@@ -331,7 +331,7 @@ def _threshold_count_kernel(
 PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed the radix rounds)
 PHASE_TOP_K = tl.constexpr(1)  # rounds narrow [lo, hi] to the k-th largest key
 PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within the top-k set
-PHASE_RACE = tl.constexpr(3)  # the cut is known: the race launch draws the token
+PHASE_RACE = tl.constexpr(3)  # the cut is known: the race launch draws the token (the state stays at this)
 # int64 columns: phase, bracket, cut (the kept keys are >= it), k, key of the max, rounds run per phase
 S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P = (tl.constexpr(i) for i in range(8))
 F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P = (tl.constexpr(i) for i in range(5))  # fp32 columns
@@ -465,7 +465,7 @@ def _finish_kernel(
     tl.store(sf + F_M, m, mask=row_ok)
     tl.store(sf + F_C, c, mask=row_ok)
     tl.store(sf + F_TOP_P, top_p, mask=row_ok)
-    tl.store(sf + F_TARGET, top_p * total, mask=row_ok)  # top-p without top-k: of the whole row's mass
+    tl.store(sf + F_TARGET, tl.zeros((R,), tl.float32) - 1.0, mask=row_ok)  # < 0: set by the first top-p round
     tl.store(sf + F_MIN_P, tl.where(mp_on, min_p, 0.0), mask=row_ok)
     token = tl.where(radix, INVALID, token)  # the race launch overwrites it; a row it misses stays invalid
     tl.store(out_ptr + rows, token, mask=row_ok)
@@ -479,9 +479,12 @@ def _radix_round_kernel(
     """One round of the radix selection for the rows in a top-k / top-p phase (others exit at once). The row's
     bracket [lo, hi] of order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k,
     or mass(key >= t) >= target); NB thresholds t_j = lo + j * (hi - lo + 1) // NB split it. Every program
-    counts and weighs key >= t_j over its chunk -> partials [B, split, NB]; the row's last program to arrive sums
-    them in chunk order and narrows the bracket to [t_j, t_{j+1} - 1] of the largest t_j that passes: width
-    w -> ceil(w / NB), so a phase ends (lo == hi: the cut) within ceil(32 / log2(NB)) rounds."""
+    counts (top-k) or weighs (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last
+    program to arrive sums them in chunk order and narrows the bracket to [t_j, t_{j+1} - 1] of the largest
+    t_j that passes: width w -> ceil(w / NB), so a phase ends (lo == hi: the cut) within ceil(32 / log2(NB))
+    rounds. A top-p phase starts with lo at top-k's cut (or the smallest logit): its first round's mass at
+    t_0 = lo is the mass of the top-k set, and its target is top_p times that (the same sums as every later
+    round's, so the cut is where this arithmetic says)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     chunk = tl.program_id(1)
     st = state_i_ptr + rows * N_STATE
@@ -499,6 +502,7 @@ def _radix_round_kernel(
         thr32 = thr.to(tl.int32)  # between two int32 keys
         lo32 = lo.to(tl.int32)
         hi32 = hi.to(tl.int32)
+        weigh = tl.max((busy & (phase == PHASE_TOP_P)).to(tl.int32)) > 0  # top-k rows only count
         cnt_slots = tl.zeros((R, BLOCK, NB), tl.int32)  # per slot: one cross-thread reduction after the loop
         mass_slots = tl.zeros((R, BLOCK, NB), tl.float32)
         cnt_above = tl.zeros((R, BLOCK), tl.int32)  # key > hi: at or above every threshold
@@ -508,15 +512,18 @@ def _radix_round_kernel(
             x, cols, msk = _load_block(base, off, V, busy, BLOCK)
             x = x + 0.0  # -0.0 -> +0.0, as in every key
             key = _ordered_key(x)
-            p = tl.exp2((x - m[:, None]) * c[:, None])
             above = msk & (key > hi32[:, None])
             cnt_above += above.to(tl.int32)
-            mass_above += tl.where(above, p, 0.0)
             inside = msk & (key >= lo32[:, None]) & (key <= hi32[:, None])
-            if tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0:  # blocks with no key in the bracket skip the bins
-                ge = inside[:, :, None] & (key[:, :, None] >= thr32[:, None, :])  # [R, BLOCK, NB]
-                cnt_slots += ge.to(tl.int32)
-                mass_slots += tl.where(ge, p[:, :, None], 0.0)
+            any_inside = tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0  # else the block skips the thresholds
+            key = tl.where(inside, key, -(2**31))  # below every threshold
+            if weigh:
+                p = tl.exp2((x - m[:, None]) * c[:, None])
+                mass_above += tl.where(above, p, 0.0)
+                if any_inside:
+                    mass_slots += tl.where(key[:, :, None] >= thr32[:, None, :], p[:, :, None], 0.0)
+            if any_inside:
+                cnt_slots += (key[:, :, None] >= thr32[:, None, :]).to(tl.int32)  # [R, BLOCK, NB]
         cnt = tl.sum(cnt_slots, 1) + tl.sum(cnt_above, 1)[:, None]  # [R, NB]
         mass = tl.sum(mass_slots, 1) + tl.sum(mass_above, 1)[:, None]
         part = (rows[:, None] * split + chunk) * NB + j[None, :]
@@ -533,23 +540,22 @@ def _radix_round_kernel(
             mass = tl.sum(tl.load(round_mass_ptr + parts, mask=pm, other=0.0, volatile=True), 1)
             in_k = phase == PHASE_TOP_K
             k = tl.load(st + S_K, mask=last, other=0)
+            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
             target = tl.load(sf + F_TARGET, mask=last, other=0.0)
+            target = tl.where(target < 0, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
             ok = tl.where(in_k[:, None], cnt.to(tl.int64) >= k[:, None], mass >= target[:, None])  # true, then false
             j_cut = tl.maximum(tl.sum(ok.to(tl.int32), 1) - 1, 0)
             new_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], thr, 0), 1)
             next_thr = tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, thr, 0), 1)
             new_hi = tl.maximum(tl.where(j_cut + 1 < NB, next_thr - 1, hi), new_lo)
-            mass_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], mass, 0.0), 1)  # mass(key >= new_lo)
             done = new_hi == new_lo
-            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
-            # top-k done: top-p next, over the top-k set (its mass is mass_lo), else the race
-            to_p = in_k & done & (top_p < 1.0)
+            to_p = in_k & done & (top_p < 1.0)  # top-k done: top-p next, over the top-k set, else the race
             next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), phase)
             tl.store(st + S_PHASE, next_phase, mask=last)
             tl.store(st + S_LO, new_lo, mask=last)
             tl.store(st + S_HI, tl.where(to_p, tl.load(st + S_TOP, mask=last, other=0), new_hi), mask=last)
             tl.store(st + S_CUT, new_lo, mask=last)
-            tl.store(sf + F_TARGET, tl.where(to_p, top_p * mass_lo, target), mask=last)
+            tl.store(sf + F_TARGET, tl.where(to_p, -1.0, target), mask=last)
             rounds_at = tl.where(in_k, S_ROUNDS_K, S_ROUNDS_P)
             tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
 
@@ -605,7 +611,6 @@ def _race_kernel(
             winner = tl.max(bests, 1)
             token = tl.min(tl.where(bests == winner[:, None], ids, V), 1).to(tl.int64)
             tl.store(out_ptr + rows, token, mask=last)
-            tl.store(st + S_PHASE, tl.zeros((R,), tl.int64) + PHASE_NONE, mask=last)
 
 
 def rounds_per_phase(bins: int) -> int:
