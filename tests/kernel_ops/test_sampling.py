@@ -6,6 +6,8 @@ test must reject deliberately wrong samplers. Exact tests: greedy / top-k 1 / ti
 reproducibility, NaN and inf rows, torch.export. GPU tests: V = 248320 in fp32 and bf16, CUDA graph replay.
 """
 
+import math
+
 import pytest
 import torch
 from scipy.stats import chi2
@@ -354,6 +356,147 @@ def test_torch_export():
     ep = torch.export.export(Sampler(), args)
     assert any("qmoe.sample" in str(node.target) for node in ep.graph.nodes)
     assert torch.equal(ep.module()(*args), Sampler()(*args))
+
+
+# ---------------------------------------------------------------- radix rounds (rows whose kept set may exceed CAP)
+
+FAMILIES = ["flat", "llm", "peaked", "zipf", "ties", "masked", "llm_T0.05", "llm_T5"]  # the benchmark's shapes
+
+
+def family_logits(shape, B, V, seed=0, device="cpu"):
+    """The benchmark's logit shapes (experiments/bench_sampling.py) at any V -> (logits [B, V], temperature)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kind = shape.split("_")[0]
+    x = torch.randn(B, V, generator=g, device=device)
+    if kind in ("llm", "masked"):  # a few tokens carry most of the mass
+        n = min(64, V // 8)
+        x = x * 2
+        cand = torch.randint(0, V, (B, n), generator=g, device=device)
+        x.scatter_add_(1, cand, torch.linspace(20, 6, n, device=device).expand(B, -1))
+        if kind == "masked":  # most of the vocabulary at -inf
+            keep = torch.rand(B, V, generator=g, device=device) < 0.3
+            x = x.masked_fill(~keep.scatter(1, cand, True), float("-inf"))
+    elif kind == "peaked":  # 3 tokens 40 above N(0, 1): the k-th largest in the flat tail
+        peaks = torch.randint(0, V, (B, 3), generator=g, device=device)
+        x.scatter_add_(1, peaks, torch.full((B, 3), 40.0, device=device))
+    elif kind == "zipf":
+        x = -1.1 * (torch.rand(B, V, generator=g, device=device).argsort(-1).float() + 1).log()
+    elif kind == "ties":  # many exact ties at every cut
+        x = (x * 2).round()
+    temperature = float(shape.split("_T")[1]) if "_T" in shape else 1.0
+    return x, temperature
+
+
+def radix_modes(V):
+    """(top_k, top_p, min_p): top-k 1 / 50 / 1000 / V (1000 -> V // 2 at small V), top-p 0.5 / 0.95 / 0.999,
+    min-p alone, top-k + top-p, all three."""
+    return [(1, 1.0, 0.0), (50, 1.0, 0.0), (V // 2, 1.0, 0.0), (V, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.95, 0.0),
+            (0, 0.999, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.0), (V // 2, 0.95, 0.02)]  # fmt: skip
+
+
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving int32 keys of fp32 logits (-0.0 folded into +0.0) -> int64."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+
+
+def run_with_state(logits, temperature, modes, **knobs):
+    """One launch over rows = modes x (rows of logits) -> (tokens, radix state, per-row parameters)."""
+    n = len(modes)
+    rows = logits.repeat_interleave(n, 0)
+    B = rows.shape[0]
+    top_k, top_p, min_p = (torch.tensor([m[i] for m in modes] * len(logits), device=logits.device) for i in range(3))
+    temperature = torch.full((B,), temperature, device=logits.device)
+    state = torch.full((B, fused.N_STATE.value), -7, dtype=torch.int64, device=logits.device)
+    step = torch.arange(B, device=logits.device)
+    out = fused.launch(rows, temperature, top_k.long(), top_p.float(), min_p.float(), step, step, state=state, **knobs)
+    return out, state, rows, temperature, top_k, top_p, min_p
+
+
+def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, exact=True):
+    """Tokens in the float64 kept set; rows the rounds finished keep exactly the reference's top-k / top-p set
+    (key >= cut); no phase ran more rounds than the bound. -> how many rows took the radix rounds."""
+    B = rows.shape[0]
+    probs = torch.softmax(rows.double() / temperature[:, None].double(), -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    assert keep[torch.arange(B), out.clamp(min=0)].all() and (out >= 0).all(), "a token outside the kept set"
+    phase = state[:, fused.S_PHASE.value]
+    assert not ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any(), "unfinished rows"
+    bound = fused.rounds_per_phase(bins)
+    assert state[:, fused.S_ROUNDS_K.value].max() <= bound and state[:, fused.S_ROUNDS_P.value].max() <= bound
+    radix = phase == fused.PHASE_RACE.value
+    if exact:
+        kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (rows > float("-inf"))
+        ref = naive.filter_probs(probs, top_k, top_p.double(), torch.zeros_like(min_p).double())
+        bad = (kept != ref)[radix].any(-1)
+        assert not bad.any(), f"kept set differs from the reference in {int(bad.sum())} radix rows"
+    return int(radix.sum())
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(f, torch.float32) for f in FAMILIES] + [("peaked", torch.float16), ("ties", torch.float16)],  # half logits
+)
+def test_radix_rounds_give_the_reference_kept_set(shape, dtype):
+    # a buffer of 8 slots sends nearly every filtered row to the radix rounds; 3 chunks of 4 blocks of 32 (the
+    # last one partial) so that the partials of several programs are combined
+    V = 300
+    logits, temperature = family_logits(shape, 3, V, seed=FAMILIES.index(shape))
+    logits = logits.to(dtype)
+    modes = radix_modes(V)
+    got = run_with_state(logits, temperature, modes, cap=8, block=32, split=3)
+    n_radix = check_radix_rows(*got, bins=16)
+    assert n_radix >= 3  # the test reaches the rounds on every shape
+
+
+@pytest.mark.parametrize("bins", [16, 4])
+def test_radix_rounds_never_exceed_the_bound(bins):
+    # worst shapes for the rounds: the keys span the whole int32 range (x_min = -3e38, max = +3e38) and the cut
+    # sits among values near 0, so top-k runs every round of its phase, then top-p again over [cut, max]
+    V, B = 96, 4
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, V, generator=g) * torch.logspace(-30, 1, V)[torch.randperm(V, generator=g)]
+    logits[:, 0], logits[:, 1] = -3e38, 3e38
+    logits[1, 2:] = logits[1, 2:].round()  # exact ties at the cut
+    modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0)]
+    temperature = 1e37  # keeps the mass spread over the row: top-p's cut lands inside it
+    got = run_with_state(logits, temperature, modes, cap=4, block=32, split=3, bins=bins)
+    out, state, rows = got[:3]
+    check_radix_rows(*got, bins=bins, exact=False)
+    # the exact number of rounds: a bracket of w keys shrinks to ceil(w / bins) per round
+    keys = ordered_keys(rows)
+    bound = fused.rounds_per_phase(bins)
+
+    def rounds(width):
+        return max(1, math.ceil(math.log(width, bins) - 1e-12))
+
+    top_k = torch.tensor([m[0] for m in modes] * B)
+    for r in range(len(rows)):
+        if top_k[r] > 0:
+            width = keys[r].max() - keys[r].min() + 1
+            assert state[r, fused.S_ROUNDS_K.value] == rounds(width.item()), r
+    assert state[:, fused.S_ROUNDS_K.value].max() == bound  # the worst row needs every round of the bound
+    # one round fewer than the bound: rows are left unfinished, and the checks above see it (invalid tokens)
+    seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
+    short = fused.launch(rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, rounds=2 * bound - 1)
+    assert (short == naive.INVALID_TOKEN).any()
+
+
+def test_rounds_per_phase():
+    assert [fused.rounds_per_phase(b) for b in (2, 4, 16, 256, 2**16)] == [32, 16, 8, 4, 2]
+
+
+def test_radix_distribution_chi_square():
+    # the rounds and the race launch draw from the exact filtered law on the hard shapes (peaked: the k-th value
+    # in the tail; ties at the cut; zipf), 2k draws per combo through an 4-slot buffer
+    V, draws = 48, 2_000
+    combos = [(1.0, 20, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.0, 10, 1.0, 0.05)]
+    for shape in ("peaked", "ties", "zipf"):
+        logits = family_logits(shape, 1, V, seed=3)[0][0]
+        tokens = draw_combos(lambda *a: fused.launch(*a, cap=4, block=16, split=2), logits, combos, draws)
+        for combo, row in zip(combos, tokens):
+            pvalue = chi_square_pvalue(row, filtered_distribution(logits, *combo))
+            assert pvalue > 1e-3, f"{shape} {combo}: chi-square p = {pvalue:.2e}"
 
 
 # ---------------------------------------------------------------- GPU (V of Qwen3.5-MoE)
