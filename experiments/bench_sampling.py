@@ -10,7 +10,9 @@ min-p 0.05 alone on "llm" (typical) and "flat" (the widest kept sets) at B = 1 a
 `fused.greedy` against torch.argmax. B in {1, 8, 64, 256}; fp32 logits, and bf16 for the target mode and greedy.
 
 Before timing, every case is checked on the GPU: greedy and top-k 1 tokens equal the argmax, sampled tokens lie
-in the kept set of the float64 reference filter (kernels/sampling/naive.py). A failed check aborts (exit 1).
+in the kept set of the float64 reference filter (kernels/sampling/naive.py), and no row is left unfinished by the
+radix rounds (the rows that took them and their rounds go to the JSON: "radix_rows", "max_rounds"; peaked, ties
+and flat rows take them). A failed check aborts (exit 1).
 
 Each call is timed inside one CUDA graph of many calls on inputs rotated over > 200 MB (logits come from HBM,
 not L2); the copy ceiling is measured in the same run. The JSON reports per B the typical ("llm") and the
@@ -138,6 +140,15 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
         if baseline:
             impls["torch_sort"] = lambda x: torch_sort_sample(x, *params)
     error = check(mode, inputs[0], impls["triton"](inputs[0]), *params)
+    radix = {}
+    if mode != "greedy":  # which rows took the radix rounds, how many rounds, and that every one finished
+        state = torch.empty(B, fused.N_STATE.value, dtype=torch.int64, device=device)
+        fused.launch(inputs[0], *params, seed, step, state=state)
+        phase = state[:, fused.S_PHASE.value]
+        rounds = state[:, fused.S_ROUNDS_K.value] + state[:, fused.S_ROUNDS_P.value]
+        radix = {"radix_rows": int((phase == fused.PHASE_RACE.value).sum()), "max_rounds": int(rounds.max())}
+        if ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any():
+            error = error or f"{mode}: rows left unfinished by the radix rounds"
     if error:
         sys.exit(f"correctness check failed before timing ({shape}, B={B}, {dtype}): {error}")
     rows = []
@@ -147,6 +158,7 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
         rows.append(
             {"mode": mode, "B": B, "dtype": str(dtype).removeprefix("torch."), "logits": shape, "impl": impl}
             | {"us": us, "timing": method, "logits_MB": nbytes / 1e6}
+            | radix
         )
     return rows
 
@@ -224,7 +236,7 @@ def main():
     )  # fmt: skip
 
     print(f"V = {V} on {device}, copy ceiling {copy_gbs:.0f} GB/s; us per call (CUDA graph, logits from HBM)")
-    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7}")
+    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7} {'radix':>6}")
     for r in (r for r in rows if r["impl"] == "triton"):
         base = next(
             (b for b in rows if b["impl"] != "triton" and all(b[k] == r[k] for k in ("mode", "B", "dtype", "logits"))),
@@ -233,7 +245,7 @@ def main():
         base_s = f"{base['us']:9.1f}" if base else f"{'-':>9}"
         print(
             f"{r['mode']:>15} {r['logits']:>10} {r['B']:>4} {r['dtype']:>9}",
-            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f}",
+            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f} {r.get('radix_rows', '-'):>6}",
         )
     print(f"{'B':>4} {'typical':>9} {'worst':>9} {'(shape)':>10} {'torch sort':>10} {'greedy':>8} {'argmax':>8}")
     for B, s in summary.items():

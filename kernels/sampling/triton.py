@@ -1,30 +1,36 @@
-"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in four launches, no sort of the vocabulary.
+"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B], no sort of the vocabulary, no pass over a row in
+a single program.
 
 `greedy` (every row at temperature 0, chosen by the caller from its run config) is two launches: a chunked
 argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
-(row, chunk) in every launch, so each pass over a row is spread over many programs (launches that a row
-does not need cost its programs a few loads of partials):
+(row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
+not need costs its programs a few loads. 5 + 2 * rounds_per_phase(bins) launches (21 with 16 bins):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit and the number of
-   finite logits -> a small workspace. It also zeroes the rows' arrival counters for launch 4.
-2. `_search_kernel` PHASE 2 (filtered rows): every program combines the chunk stats, then gathers every
-   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p: the speculative gather.
-3. PHASE 3: every program sums the gather's partials in chunk order (the same decisions everywhere, on every
-   call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) < min_p; top-p: the tokens
-   with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at least k tokens
-   gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p without top-k)
-   x >= s_j at NT logit thresholds spread geometrically between the max and the smallest logit; rows
-   without a filter run the exponential race over the chunk instead.
-4. PHASE 4: rows where the gather missed regather each chunk at the highest threshold provably at or below
-   the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting) finds
-   the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their keys)
-   and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i).
-   Fallback in that program, when the kept set has more than CAP tokens (flat rows, huge k): exact bisection
-   of the cut on the order-preserving int32 keys of the logits, NT thresholds per pass over the row, then a
-   race pass (one program per row: slow, but only such rows pay).
+   finite logits -> a small workspace. It also zeroes the rows' arrival counters of the later launches.
+2. `_speculative_gather_kernel` (filtered rows): every program combines the chunk stats, then gathers every
+   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p.
+3. `_threshold_count_kernel`: every program sums the gather's partials in chunk order (the same decisions
+   everywhere, on every call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) <
+   min_p; top-p: the tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k:
+   at least k tokens gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p
+   without top-k) x >= s_j at NT logit thresholds spread geometrically between the max and the smallest
+   logit; rows without a filter run the exponential race over the chunk instead.
+4. `_finish_kernel`: rows where the gather missed regather each chunk at the highest threshold provably at or
+   below the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting)
+   finds the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their
+   keys) and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i). Rows
+   whose kept set may exceed CAP (flat rows, large k, ties at the cut, a k-th value in a flat tail) get a
+   radix state instead: top-k phase, top-p phase, or (min-p alone, closed form) straight to the race.
+5. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches: each narrows the row's bracket of
+   order-preserving int32 keys around the cut by a factor `bins` (every program counts / weighs its chunk at
+   `bins` thresholds, the row's last program to arrive sums the partials in chunk order and picks the bin),
+   top-k's cut first, then top-p's within the top-k set. A bracket of one key is the cut (ties kept).
+6. `_race_kernel`: rows with a cut from the rounds race over their kept x in every program; the last program
+   to arrive takes the best of the chunks.
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
@@ -626,7 +632,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap / nt / rows (rows per program) / split (programs per row, <= 64) / bins (radix thresholds per
-    round) are tuning knobs; tests shrink cap to send rows to the radix rounds and set split on the CPU.
+    round, a power of 2) are tuning knobs; tests shrink cap to send rows to the radix rounds and set split on
+    the CPU.
     rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
     receives the rows' radix state: phase, cut, rounds per phase) are test hooks."""
     B, V = logits.shape
