@@ -653,6 +653,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     if split is None:  # spread both passes over ~2048 programs (bytes in flight), chunks of at least a block
         split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
     assert 1 <= split <= SPLIT_MAX
+    assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
     chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
