@@ -88,7 +88,7 @@ def test_filtered_distribution_matches_its_definition():
     [
         (16, 11_200, None),  # power of two: 9 combos x 11.2k = 100k draws
         (43, 4_000, None),  # prime V: a masked tail in every block (the interpreter is slow: fewer draws)
-        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the exact full-row bisection fallback
+        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the radix rounds and the race launch
     ],
 )
 def test_distribution_chi_square(V, draws, cap):
@@ -242,7 +242,7 @@ def random_rows(B, V, seed):
     return logits, temperature, top_k, top_p, min_p
 
 
-@pytest.mark.parametrize("cap", [None, 4])  # everything in the buffer / mostly the full-row fallback
+@pytest.mark.parametrize("cap", [None, 4])  # everything in the buffer / mostly the radix rounds
 def test_sampled_token_in_kept_set(cap):
     B, V = 2048, 37
     logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=cap or 0)
@@ -261,7 +261,7 @@ def test_sampled_token_in_kept_set(cap):
     [
         (3, 96, 300, 32, None),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
         (8, 96, 300, 32, None),  # chunks wholly past V; gathered lists spread over up to 8 chunks
-        (5, 96, 300, 32, 16),  # small buffer: regathers and full-row fallbacks after a split search (5: SPLIT 8)
+        (5, 96, 300, 32, 16),  # small buffer: regathers and radix rounds over split chunks (5: SPLIT 8)
         (4, 12, 2100, None, None),  # default blocks: 2048 for the stats, 1024 for the threshold tiles
     ],
 )
@@ -507,7 +507,7 @@ V_FULL = 248320
 
 def llm_like_logits(B, V, device, dtype, seed=0):
     """Rows like a language model's (background N(0, 2^2), 64 candidates lifted by 20 .. 6: a few tokens carry
-    most of the mass), the last row flat (N(0, 0.1^2): top-p keeps ~V tokens, the kernel's fallback)."""
+    most of the mass), the last row flat (N(0, 0.1^2): top-p keeps ~V tokens, the radix rounds)."""
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(B, V, device=device, generator=g) * 2
     cand = torch.randint(0, V, (B, 64), device=device, generator=g)
