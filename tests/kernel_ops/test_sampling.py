@@ -420,7 +420,8 @@ def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, e
     B = rows.shape[0]
     probs = torch.softmax(rows.double() / temperature[:, None].double(), -1)
     keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
-    assert keep[torch.arange(B), out.clamp(min=0)].all() and (out >= 0).all(), "a token outside the kept set"
+    in_keep = keep[torch.arange(B, device=out.device), out.clamp(min=0)]
+    assert in_keep.all() and (out >= 0).all(), "a token outside the kept set"
     phase = state[:, fused.S_PHASE.value]
     assert not ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any(), "unfinished rows"
     bound = fused.rounds_per_phase(bins)
@@ -657,4 +658,4 @@ def test_gpu_cuda_graph_replay_radix_rows():
         assert torch.equal(out, fused.sample(*args)), i
         probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
         keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
-        assert keep[torch.arange(B), out].all(), i
+        assert keep[torch.arange(B, device="cuda"), out].all(), i
