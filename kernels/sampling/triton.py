@@ -644,7 +644,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     if block is None:
         block = min(2048, triton.next_power_of_2(V))
     block_t = min(block, 1024)
-    block_r = min(block, 256)  # [R, BLOCK, bins] slots per radix program
+    block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
     if cap is None:  # the gather buffer never needs more than V slots
         cap = min(1024, triton.next_power_of_2(V))
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
