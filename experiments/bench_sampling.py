@@ -10,7 +10,9 @@ min-p 0.05 alone on "llm" (typical) and "flat" (the widest kept sets) at B = 1 a
 `fused.greedy` against torch.argmax. B in {1, 8, 64, 256}; fp32 logits, and bf16 for the target mode and greedy.
 
 Before timing, every case is checked on the GPU: greedy and top-k 1 tokens equal the argmax, sampled tokens lie
-in the kept set of the float64 reference filter (kernels/sampling/naive.py). A failed check aborts (exit 1).
+in the kept set of the float64 reference filter (kernels/sampling/naive.py), and no row is left unfinished by the
+radix rounds (the rows that took them and their rounds go to the JSON: "radix_rows", "max_rounds"; peaked, ties
+and flat rows take them). A failed check aborts (exit 1).
 
 Each call is timed inside one CUDA graph of many calls on inputs rotated over > 200 MB (logits come from HBM,
 not L2); the copy ceiling is measured in the same run. The JSON reports per B the typical ("llm") and the
@@ -49,6 +51,7 @@ SHAPES = {"flat": 1.0, "llm": 1.0, "peaked": 1.0, "zipf": 1.0, "ties": 1.0, "mas
 SHAPES["llm_T5"] = 5.0  # shape -> temperature
 TARGET_US = {1: (20.0, 40.0), 256: (150.0, 300.0)}  # B -> (typical, worst) for the target mode, fp32
 GREEDY_VS_ARGMAX = 1.2
+BINS_SWEEP = (64, 256)  # radix thresholds per round besides the default 16: 2 x (6, 4) round launches, not 2 x 8
 BF16_VS_FP32 = 1.2
 RUNTIME_S = 180.0
 GRAPH_US = 30_000  # calls per CUDA graph: at most this much work (the runtime stays < 3 min on slow cases)
@@ -118,7 +121,8 @@ def eager_us(fn, x) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseline: bool) -> list[dict]:
+def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseline: bool, bins=None) -> list[dict]:
+    """Rows of one case: "triton" (and the torch baseline), or "triton_bins{N}" (the radix rounds with N bins)."""
     nbytes = B * V * dtype.itemsize
     copies = min(200, math.ceil(L2_FLUSH_BYTES / nbytes)) if device == "cuda" else 1
     n = max(copies, 4) if device == "cuda" else 1
@@ -135,9 +139,20 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
             impls["torch.argmax"] = lambda x: x.argmax(-1)
     else:
         impls = {"triton": lambda x: fused.sample(x, *params, seed, step)}
+        if bins:
+            impls = {"triton": lambda x: fused.launch(x, *params, seed, step, bins=bins)}
         if baseline:
             impls["torch_sort"] = lambda x: torch_sort_sample(x, *params)
     error = check(mode, inputs[0], impls["triton"](inputs[0]), *params)
+    radix = {}
+    if mode != "greedy":  # which rows took the radix rounds, how many rounds, and that every one finished
+        state = torch.empty(B, fused.N_STATE.value, dtype=torch.int64, device=device)
+        fused.launch(inputs[0], *params, seed, step, state=state, bins=bins or 16)
+        phase = state[:, fused.S_PHASE.value]
+        rounds = state[:, fused.S_ROUNDS_K.value] + state[:, fused.S_ROUNDS_P.value]
+        radix = {"radix_rows": int((phase == fused.PHASE_RACE.value).sum()), "max_rounds": int(rounds.max())}
+        if ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any():
+            error = error or f"{mode}: rows left unfinished by the radix rounds"
     if error:
         sys.exit(f"correctness check failed before timing ({shape}, B={B}, {dtype}): {error}")
     rows = []
@@ -145,8 +160,10 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
         calls = n if device != "cuda" else min(n, max(4, int(GRAPH_US / eager_us(fn, inputs[0]))))
         us, method = time_calls(lambda i, fn=fn: fn(inputs[i % copies]), calls, device)
         rows.append(
-            {"mode": mode, "B": B, "dtype": str(dtype).removeprefix("torch."), "logits": shape, "impl": impl}
+            {"mode": mode, "B": B, "dtype": str(dtype).removeprefix("torch."), "logits": shape}
+            | {"impl": f"triton_bins{bins}" if bins and impl == "triton" else impl}
             | {"us": us, "timing": method, "logits_MB": nbytes / 1e6}
+            | radix
         )
     return rows
 
@@ -213,6 +230,10 @@ def main():
     rows = []
     for mode, shape, B, dtype, baseline in cases(batches):
         rows += bench_case(mode, shape, B, V, dtype, device, baseline)
+    for B in (b for b in batches if b in (1, 256)):  # the rounds' bins: fewer launches against more work a round
+        for shape in ("llm", "peaked"):
+            for bins in BINS_SWEEP:
+                rows += bench_case(TARGET_MODE, shape, B, V, torch.float32, device, False, bins=bins)
     for r in rows:
         r["floor_us"] = r["logits_MB"] * 1e3 / copy_gbs  # one read of the logits at the copy rate
     summary, targets = summarise(rows, batches)
@@ -224,7 +245,7 @@ def main():
     )  # fmt: skip
 
     print(f"V = {V} on {device}, copy ceiling {copy_gbs:.0f} GB/s; us per call (CUDA graph, logits from HBM)")
-    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7}")
+    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7} {'radix':>6}")
     for r in (r for r in rows if r["impl"] == "triton"):
         base = next(
             (b for b in rows if b["impl"] != "triton" and all(b[k] == r[k] for k in ("mode", "B", "dtype", "logits"))),
@@ -233,12 +254,16 @@ def main():
         base_s = f"{base['us']:9.1f}" if base else f"{'-':>9}"
         print(
             f"{r['mode']:>15} {r['logits']:>10} {r['B']:>4} {r['dtype']:>9}",
-            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f}",
+            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f} {r.get('radix_rows', '-'):>6}",
         )
     print(f"{'B':>4} {'typical':>9} {'worst':>9} {'(shape)':>10} {'torch sort':>10} {'greedy':>8} {'argmax':>8}")
     for B, s in summary.items():
         print(f"{B:>4} {s['typical_us']:9.1f} {s['worst_us']:9.1f} {s['worst_shape']:>10} {s['torch_sort_us']:10.1f} "
               f"{s['greedy_us']:8.1f} {s['argmax_us']:8.1f}")  # fmt: skip
+    sweep = [r for r in rows if r["impl"].startswith("triton_bins")]
+    print(f"{TARGET_MODE} fp32 by radix bins per round (default 16 above):")
+    for r in sweep:
+        print(f"  B={r['B']:>3} {r['logits']:>7} {r['impl']:>16} {r['us']:9.1f} us  radix rows {r['radix_rows']}")
     print_targets(targets)
     print(f"-> {args.out} ({seconds:.0f} s)")
 

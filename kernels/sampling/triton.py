@@ -1,30 +1,36 @@
-"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B] in four launches, no sort of the vocabulary.
+"""Fused sampling in Triton: logits [B, V] -> token ids int64 [B], no sort of the vocabulary, no pass over a row in
+a single program.
 
 `greedy` (every row at temperature 0, chosen by the caller from its run config) is two launches: a chunked
 argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
-(row, chunk) in every launch, so each pass over a row is spread over many programs (launches that a row
-does not need cost its programs a few loads of partials):
+(row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
+not need costs its programs a few loads. 5 + 2 * rounds_per_phase(bins) launches (21 with 16 bins):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit and the number of
-   finite logits -> a small workspace. It also zeroes the rows' arrival counters for launch 4.
-2. `_search_kernel` PHASE 2 (filtered rows): every program combines the chunk stats, then gathers every
-   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p: the speculative gather.
-3. PHASE 3: every program sums the gather's partials in chunk order (the same decisions everywhere, on every
-   call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) < min_p; top-p: the tokens
-   with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k: at least k tokens
-   gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p without top-k)
-   x >= s_j at NT logit thresholds spread geometrically between the max and the smallest logit; rows
-   without a filter run the exponential race over the chunk instead.
-4. PHASE 4: rows where the gather missed regather each chunk at the highest threshold provably at or below
-   the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting) finds
-   the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their keys)
-   and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i).
-   Fallback in that program, when the kept set has more than CAP tokens (flat rows, huge k): exact bisection
-   of the cut on the order-preserving int32 keys of the logits, NT thresholds per pass over the row, then a
-   race pass (one program per row: slow, but only such rows pay).
+   finite logits -> a small workspace. It also zeroes the rows' arrival counters of the later launches.
+2. `_speculative_gather_kernel` (filtered rows): every program combines the chunk stats, then gathers every
+   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p.
+3. `_threshold_count_kernel`: every program sums the gather's partials in chunk order (the same decisions
+   everywhere, on every call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) <
+   min_p; top-p: the tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k:
+   at least k tokens gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p
+   without top-k) x >= s_j at NT logit thresholds spread geometrically between the max and the smallest
+   logit; rows without a filter run the exponential race over the chunk instead.
+4. `_finish_kernel`: rows where the gather missed regather each chunk at the highest threshold provably at or
+   below the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting)
+   finds the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their
+   keys) and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i). Rows
+   whose kept set may exceed CAP (flat rows, large k, ties at the cut, a k-th value in a flat tail) get a
+   radix state instead: top-k phase, top-p phase, or (min-p alone, closed form) straight to the race.
+5. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches: each narrows the row's bracket of
+   order-preserving int32 keys around the cut by a factor `bins` (every program counts / weighs its chunk at
+   `bins` thresholds, the row's last program to arrive sums the partials in chunk order and picks the bin),
+   top-k's cut first, then top-p's within the top-k set. A bracket of one key is the cut (ties kept).
+6. `_race_kernel`: rows with a cut from the rounds race over their kept x in every program; the last program
+   to arrive takes the best of the chunks.
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
@@ -70,35 +76,6 @@ def _load_block(base, off, V, row_ok, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bisect_key(base, V, row_ok, m, c, lo, hi, mass_lo, kth, target, USE_MASS: tl.constexpr,
-                BLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-    """Largest int32 key in [lo, hi) with count(key(x) >= it) >= kth (or mass >= target with USE_MASS),
-    NT thresholds per pass over the row; pred(lo) holds, pred(hi) does not, rows with hi - lo <= 1 are done.
-    Returns the key and the mass of the x at or above it."""
-    j = tl.arange(0, NT)
-    while tl.max((hi - lo > 1).to(tl.int32)) > 0:
-        live = hi - lo > 1
-        thr = lo[:, None] + ((hi - lo)[:, None] * (j[None, :] + 1)) // (NT + 1)  # [R, NT] increasing
-        cnt = tl.zeros(thr.shape, tl.int64)
-        mass = tl.zeros(thr.shape, tl.float32)
-        for off in range(0, V, BLOCK):
-            x, cols, msk = _load_block(base, off, V, row_ok & live, BLOCK)
-            x = x + 0.0  # rows here have no NaN
-            ge = (_ordered_key(x)[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK, NT]
-            cnt += tl.sum(ge.to(tl.int64), 1)
-            p = tl.exp2((x - m[:, None]) * c[:, None])
-            mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
-        ok = (mass >= target[:, None]) if USE_MASS else (cnt >= kth[:, None])
-        # pred is monotone (true for low keys): lo moves to the highest true threshold, hi to the lowest false
-        n_ok = tl.sum(ok.to(tl.int32), 1)
-        mass_at_lo = tl.sum(tl.where(j[None, :] == n_ok[:, None] - 1, mass, 0.0), 1)
-        mass_lo = tl.where(live & (n_ok > 0), mass_at_lo, mass_lo)
-        lo = tl.where(live, tl.max(tl.where(ok, thr, lo[:, None]), 1), lo)
-        hi = tl.where(live, tl.min(tl.where(ok, hi[:, None], thr), 1), hi)
-    return lo, mass_lo
-
-
-@triton.jit
 def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.constexpr):
     """_bisect_key on a [R, CAP] tile of keys and probabilities held in registers."""
     j = tl.arange(0, NT)
@@ -115,13 +92,14 @@ def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.co
     return lo
 
 
-@triton.jit(do_not_specialize=["B", "temp_stride", "split", "chunk_len"])
+@triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_len"])
 def _stats_kernel(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, split, chunk_len,
-    R: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, n_counters, split,
+    chunk_len, R: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 3] (max, sum of p relative to it, smallest finite
-    logit) and part_i [B, split, 3] (first argmax, finite count, NaN flag); zeroes the rows' arrival counters."""
+    logit) and part_i [B, split, 3] (first argmax, finite count, NaN flag); zeroes the rows' arrival counters
+    (counter_ptr [n_counters, B]: one per later launch that has arrivals)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
     chunk = tl.program_id(1)
@@ -164,7 +142,8 @@ def _stats_kernel(
     tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
     tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
     first_chunk = row_ok & (rows * 0 + chunk == 0)
-    tl.store(counter_ptr + rows, tl.zeros((R,), tl.int32), mask=first_chunk)  # for the search kernel's arrivals
+    for i in range(n_counters):  # nothing persists between calls
+        tl.store(counter_ptr + i * B + rows, tl.zeros((R,), tl.int32), mask=first_chunk)
 
 
 @triton.jit
@@ -188,29 +167,23 @@ def _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT: tl.
 
 
 # runtime values that would otherwise compile a variant each time they hit 1 (B = 1, strides of broadcast scalars)
-@triton.jit(
-    do_not_specialize=["B", "temp_stride", "top_k_stride", "top_p_stride", "min_p_stride", "seed_stride",
-                       "step_stride", "split", "chunk_len"]
-)  # fmt: skip
-def _search_kernel(
-    logits_ptr, stride_row, B, V,
-    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
-    seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    split, chunk_len,
-    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr, PHASE: tl.constexpr,
+SEARCH_RUNTIME_ARGS = ["B", "temp_stride", "top_k_stride", "top_p_stride", "min_p_stride", "seed_stride",
+                       "step_stride", "split", "chunk_len"]  # fmt: skip
+
+
+@triton.jit
+def _row_setup(
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
+    min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
+    """What every search pass knows of its R rows: parameters, row stats (launch 1) and which filters are on."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
-    chunk = tl.program_id(1)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
     top_k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0).to(tl.int64)
     top_p = tl.load(top_p_ptr + rows * top_p_stride, mask=row_ok, other=1.0).to(tl.float32)
     min_p = tl.minimum(tl.load(min_p_ptr + rows * min_p_stride, mask=row_ok, other=0.0).to(tl.float32), 1.0)
-    seed = tl.load(seed_ptr + rows * seed_stride, mask=row_ok, other=0).to(tl.int64)
-    step = tl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(tl.int64)
     sampled = row_ok & (temperature > 0)
     # log2(e) / T, so p = exp2((x - max) * c); T clamped so that c stays finite
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
@@ -223,192 +196,446 @@ def _search_kernel(
     mp_on = active & (min_p > 0.0)
     filtered = k_on | p_on | mp_on
     unfiltered = active & ~filtered  # plain softmax: the race over the row, no cut
-    log2_min_p = tl.log2(tl.where(mp_on, min_p, 1.0))
+    return rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered
 
-    # ---- 2. search pass over this program's chunk
-    # thresholds s_0 = max, s_j = max - (max - min) * 2^((j + 1 - NT) / 2)
-    j = tl.arange(0, NT)
-    frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
-    thr = tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])  # [R, NT] decreasing
-    # speculative gather threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p: tokens
-    # with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept if
-    # at least k tokens are at or above it
+
+@triton.jit
+def _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered):
+    """The speculative gather's threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p:
+    tokens with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept
+    if at least k tokens are at or above it. +inf for rows without a filter."""
     tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
     spec = m + tl.log2(tail * total) / c
-    spec_min_p = m + (log2_min_p - 1.0) / c
+    spec_min_p = m + (tl.log2(tl.where(mp_on, min_p, 1.0)) - 1.0) / c
     spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
-    spec = tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
+    return tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
+
+
+@triton.jit
+def _gather_outcome(search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec,
+                    k_on, p_on, mp_on, filtered, unfiltered, CAP: tl.constexpr, NT: tl.constexpr,
+                    SPLIT: tl.constexpr):  # fmt: skip
+    """The speculative gather's partials of all chunks, summed in chunk order (the same decision in every
+    program, on every call) -> per-chunk counts [R, SPLIT], rows whose gather holds the cut, rows that missed."""
+    sp = tl.arange(0, SPLIT)
+    parts = (rows[:, None] * split + sp[None, :]) * (NT + 3)  # [R, SPLIT]
+    pm = (filtered | unfiltered)[:, None] & (sp < split)[None, :]
+    n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0)  # [R, SPLIT]
+    n_spec = tl.sum(n_chunk, 1)
+    mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0), 1)
+    spec_ok = tl.where(
+        k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
+    )
+    gathered = filtered & spec_ok & (n_spec <= CAP)
+    return sp, parts, pm, n_chunk, gathered, filtered & ~gathered
+
+
+@triton.jit
+def _geometric_thresholds(m, x_min, NT: tl.constexpr):
+    """[R, NT] decreasing logit thresholds s_0 = max, s_j = max - (max - min) * 2^((j + 1 - NT) / 2)."""
+    j = tl.arange(0, NT)
+    frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
+    return tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])
+
+
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
+def _speculative_gather_kernel(
+    logits_ptr, stride_row, B, V,
+    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    seed_ptr, seed_stride, step_ptr, step_stride,
+    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    state_i_ptr, state_f_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """2. Filtered rows: every x >= spec of this chunk into the chunk's own CAP slots (token order), and the
+    count and mass of what came -> search partials."""
+    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
+        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
+    )  # fmt: skip
+    chunk = tl.program_id(1)
+    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
+    sbase = (rows * split + chunk) * (NT + 3)  # this chunk's partials
+    region = (rows * split + chunk).to(tl.int64)[:, None] * CAP  # this chunk's slots
+    start = chunk * chunk_len
+    mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
+    n_spec = tl.zeros((R,), tl.int32)
+    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
+    for off in range(start, stop, BLOCK):
+        x, cols, msk = _load_block(base, off, V, filtered, BLOCK)  # active rows have no NaN
+        p = tl.exp2((x - m[:, None]) * c[:, None])
+        take = (x >= spec[:, None]) & msk
+        pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
+        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+        n_spec += tl.sum(take.to(tl.int32), 1)
+        mass_spec_slots += tl.where(take, p, 0.0)
+    tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
+    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
+def _threshold_count_kernel(
+    logits_ptr, stride_row, B, V,
+    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    seed_ptr, seed_stride, step_ptr, step_stride,
+    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    state_i_ptr, state_f_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """3. Rows whose gather missed: counts (and masses, for top-p without top-k) of x >= s_j at NT geometric
+    thresholds over this chunk. Rows without a filter: the exponential race over this chunk."""
+    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
+        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
+    )  # fmt: skip
+    chunk = tl.program_id(1)
+    seed = tl.load(seed_ptr + rows * seed_stride, mask=row_ok, other=0).to(tl.int64)
+    step = tl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(tl.int64)
+    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
+    sp, parts, pm, n_chunk, gathered, counted = _gather_outcome(
+        search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec, k_on, p_on, mp_on,
+        filtered, unfiltered, CAP, NT, SPLIT,
+    )  # fmt: skip
+    thr = _geometric_thresholds(m, x_min, NT)
+    j = tl.arange(0, NT)
     use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
     any_unfiltered = tl.max(unfiltered.to(tl.int32)) > 0
-    sbase = (rows * split + chunk) * (NT + 3)  # this chunk's partials
-    # each chunk gathers into its own CAP slots of the row's buffer, in token order
+    sbase = (rows * split + chunk) * (NT + 3)
+    start = chunk * chunk_len
+    cnt = tl.zeros((R, NT), tl.int32)
+    mass = tl.zeros((R, NT), tl.float32)
+    race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
+    race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
+    stop = tl.where(tl.max((counted | unfiltered).to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+    for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
+        x, cols, msk = _load_block(base, off, V, counted | unfiltered, BLOCK_T)
+        ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
+        cnt += tl.sum(ge.to(tl.int32), 1)
+        if use_mass:
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
+        if any_unfiltered:
+            keep = unfiltered[:, None] & msk & (x > float("-inf"))
+            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+            race = tl.where(keep, race, float("-inf"))
+            up = race > race_slots  # strict: a slot keeps its earliest index on ties
+            race_idx = tl.where(up, cols[None, :], race_idx)
+            race_slots = tl.where(up, race, race_slots)
+    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
+    race_best = tl.max(race_slots, 1)
+    tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
+    race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
+    tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
+
+
+# the radix state of a row (int64 [B, N_STATE] and fp32 [B, N_STATE]), written by the row's last program to
+# arrive in launch 4 and in each radix round, read by every program of the row in the next launch
+PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed the radix rounds)
+PHASE_TOP_K = tl.constexpr(1)  # rounds narrow [lo, hi] to the k-th largest key
+PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within the top-k set
+PHASE_RACE = tl.constexpr(3)  # the cut is known: the race launch draws the token (the state stays at this)
+# int64 columns: phase, bracket, cut (the kept keys are >= it), k, key of the max, rounds run per phase
+S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P = (tl.constexpr(i) for i in range(8))
+F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P = (tl.constexpr(i) for i in range(5))  # fp32 columns
+N_STATE = tl.constexpr(8)
+
+
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
+def _finish_kernel(
+    logits_ptr, stride_row, B, V,
+    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    seed_ptr, seed_stride, step_ptr, step_stride,
+    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    state_i_ptr, state_f_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """4. Rows whose gather missed regather this chunk at the highest geometric threshold provably at or below
+    the cut holding <= CAP tokens. The row's last program to arrive (atomic counter, no waiting) finds the exact
+    cut on the <= CAP gathered logits in registers and draws the token; rows without a filter take the best of
+    the chunks' races; rows whose kept set may exceed CAP get their radix state (the rounds and the race launch
+    finish them)."""
+    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
+        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
+    )  # fmt: skip
+    chunk = tl.program_id(1)
+    seed = tl.load(seed_ptr + rows * seed_stride, mask=row_ok, other=0).to(tl.int64)
+    step = tl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(tl.int64)
+    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
+    sp, parts, pm, n_chunk, gathered, counted = _gather_outcome(
+        search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec, k_on, p_on, mp_on,
+        filtered, unfiltered, CAP, NT, SPLIT,
+    )  # fmt: skip
+    thr = _geometric_thresholds(m, x_min, NT)
+    j = tl.arange(0, NT)
+    sbase = (rows * split + chunk) * (NT + 3)
     region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
     start = chunk * chunk_len
-    if PHASE == 2:
-        mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
-        n_spec = tl.zeros((R,), tl.int32)
-        stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
-        for off in range(start, stop, BLOCK):
-            x, cols, msk = _load_block(base, off, V, filtered, BLOCK)  # active rows have no NaN
-            p = tl.exp2((x - m[:, None]) * c[:, None])
-            take = (x >= spec[:, None]) & msk
-            pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-            tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
-            tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-            n_spec += tl.sum(take.to(tl.int32), 1)
-            mass_spec_slots += tl.where(take, p, 0.0)
-        # publish this chunk's partials; the next launches combine them
-        tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
-        tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
-    else:
-        # the speculative gather's partials of all chunks, summed in chunk order: the same in every program
-        sp = tl.arange(0, SPLIT)
-        parts = (rows[:, None] * split + sp[None, :]) * (NT + 3)  # [R, SPLIT]
-        pm = active[:, None] & (sp < split)[None, :]
-        n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0)  # [R, SPLIT]
-        n_spec = tl.sum(n_chunk, 1)
-        mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0), 1)
-        spec_ok = tl.where(
-            k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
-        )
-        gathered = filtered & spec_ok & (n_spec <= CAP)
-        counted = filtered & ~gathered  # rows that need the threshold counts to regather
+    pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
+    parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
+    cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
+    mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
+    race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"))
+    race_best = tl.max(race_bests, 1)
+    race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V)
+    race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
+    token = tl.where(unfiltered, race_tok, token)
 
-    if PHASE == 3:  # counts (and masses, for top-p without top-k) of x >= s_j over this chunk, missed rows only
-        # and the exponential race over this chunk for rows without a filter (no cut to find)
-        cnt = tl.zeros((R, NT), tl.int32)
-        mass = tl.zeros((R, NT), tl.float32)
-        race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
-        race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
-        stop = tl.where(tl.max((counted | unfiltered).to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
-        for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-            x, cols, msk = _load_block(base, off, V, counted | unfiltered, BLOCK_T)
-            ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
-            cnt += tl.sum(ge.to(tl.int32), 1)
-            if use_mass:
+    # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
+    below_cut = tl.where(
+        k_on[:, None],
+        cnt >= top_k[:, None],
+        (p_on[:, None] & (mass >= (top_p * total)[:, None]))
+        | (mp_on[:, None] & (tl.exp2((thr - m[:, None]) * c[:, None]) < min_p[:, None])),
+    )
+    usable = below_cut & (cnt <= CAP)
+    j_best = tl.min(tl.where(usable, j[None, :], NT), 1)
+    regather = counted & (j_best < NT)
+    s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
+
+    # parallel regather of this chunk at the best usable threshold, over the chunk's own slots
+    n_re = tl.zeros((R,), tl.int32)
+    stop = tl.where(tl.max(regather.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+    for off in range(start, stop, BLOCK):
+        x, cols, msk = _load_block(base, off, V, regather, BLOCK)
+        take = (x >= s[:, None]) & msk  # NaN rows never get here
+        pos = n_re[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
+        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
+        n_re += tl.sum(take.to(tl.int32), 1)
+    tl.store(search_i_ptr + sbase + NT + 2, n_re, mask=row_ok)
+    tl.debug_barrier()  # every thread's stores before the release below
+    arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    row_ok &= arrived == split - 1  # the row's last program to arrive finishes it
+    k_on &= row_ok
+    p_on &= row_ok
+    mp_on &= row_ok
+    regather &= row_ok
+    in_buf = (gathered | regather) & row_ok
+    radix = filtered & row_ok & ~in_buf
+    n_re_chunk = tl.load(search_i_ptr + parts + NT + 2, mask=pm & regather[:, None], other=0, volatile=True)
+    n_chunk = tl.where(regather[:, None], n_re_chunk, n_chunk)  # [R, SPLIT]
+    n_buf = tl.where(in_buf, tl.sum(n_chunk, 1), 0)
+    # where slot i of the row's gathered list lives: chunk = number of chunk lists ending at or before i
+    ends = tl.cumsum(n_chunk, 1)
+    tl.store(ends_ptr + rows[:, None] * SPLIT + sp[None, :], ends, mask=in_buf[:, None])
+    tl.debug_barrier()  # the ends were written by other threads of this program
+
+    # exact cut on the <= CAP gathered logits, then the race among them
+    if tl.max(in_buf.to(tl.int32)) > 0:
+        slot = tl.arange(0, CAP)
+        bmask = in_buf[:, None] & (slot[None, :] < n_buf[:, None])
+        src_chunk = tl.zeros((R, CAP), tl.int32)
+        for level in tl.static_range(LOG_SPLIT):  # binary search over the SPLIT ends
+            half = SPLIT >> (level + 1)
+            end = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk + half - 1, mask=bmask, other=CAP + 1)
+            src_chunk += tl.where(end <= slot[None, :], half, 0)
+        prev = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk - 1, mask=bmask & (src_chunk > 0), other=0)
+        src = (rows[:, None] * split + src_chunk).to(tl.int64) * CAP + slot[None, :] - prev
+        vals = tl.load(buf_val_ptr + src, mask=bmask, other=float("-inf"), volatile=True)
+        idx = tl.load(buf_idx_ptr + src, mask=bmask, other=0, volatile=True).to(tl.int64)
+        keys = _ordered_key(vals + 0.0).to(tl.int64)
+        p = tl.where(bmask, tl.exp2((vals - m[:, None]) * c[:, None]), 0.0)
+        lo = tl.min(tl.where(bmask, keys, _ordered_key(m).to(tl.int64)[:, None]), 1)
+        top = _ordered_key(m).to(tl.int64) + 1
+        key_k = _bisect_tile(keys, p, lo, tl.where(k_on, top, lo + 1), top_k, total, False, NT)
+        z = tl.where(k_on, tl.sum(tl.where(keys >= key_k[:, None], p, 0.0), 1), total)  # top-p after top-k
+        key_cut = _bisect_tile(keys, p, key_k, tl.where(p_on, top, key_k + 1), top_k, top_p * z, True, NT)
+        keep = bmask & (keys >= key_cut[:, None])
+        keep &= ~mp_on[:, None] | (tl.exp2((vals - m[:, None]) * c[:, None]) >= min_p[:, None])
+        race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), -1e38)
+        win = tl.argmax(race, 1, tie_break_left=True)
+        drawn = tl.max(tl.where(slot[None, :] == win[:, None], idx, -1), 1)
+        token = tl.where(in_buf, drawn, token)
+
+    # rows whose kept set may exceed CAP: the radix rounds find top-k's cut, then top-p's, over all the row's
+    # programs; min-p is closed form (applied in the race), so min-p alone goes straight to the race
+    key_lo = _ordered_key(x_min).to(tl.int64)
+    key_top = _ordered_key(m).to(tl.int64)
+    phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
+    st = state_i_ptr + rows * N_STATE
+    tl.store(st + S_PHASE, phase.to(tl.int64), mask=row_ok)
+    tl.store(st + S_LO, key_lo, mask=row_ok)
+    tl.store(st + S_HI, key_top, mask=row_ok)
+    tl.store(st + S_CUT, key_lo, mask=row_ok)  # min-p alone: every finite logit is above the (absent) cut
+    tl.store(st + S_K, top_k, mask=row_ok)
+    tl.store(st + S_TOP, key_top, mask=row_ok)
+    tl.store(st + S_ROUNDS_K, tl.zeros((R,), tl.int64), mask=row_ok)
+    tl.store(st + S_ROUNDS_P, tl.zeros((R,), tl.int64), mask=row_ok)
+    sf = state_f_ptr + rows * N_STATE
+    tl.store(sf + F_M, m, mask=row_ok)
+    tl.store(sf + F_C, c, mask=row_ok)
+    tl.store(sf + F_TOP_P, top_p, mask=row_ok)
+    tl.store(sf + F_TARGET, tl.zeros((R,), tl.float32) - 1.0, mask=row_ok)  # < 0: set by the first top-p round
+    tl.store(sf + F_MIN_P, tl.where(mp_on, min_p, 0.0), mask=row_ok)
+    token = tl.where(radix, INVALID, token)  # the race launch overwrites it; a row it misses stays invalid
+    tl.store(out_ptr + rows, token, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["B", "split", "chunk_len"])
+def _radix_round_kernel(
+    logits_ptr, stride_row, B, V, state_i_ptr, state_f_ptr, round_cnt_ptr, round_mass_ptr, counter_ptr, split,
+    chunk_len, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One round of the radix selection for the rows in a top-k / top-p phase (others exit at once). The row's
+    bracket [lo, hi] of order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k,
+    or mass(key >= t) >= target); NB thresholds t_j = lo + j * (hi - lo + 1) // NB split it. Every program
+    counts (top-k) or weighs (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last
+    program to arrive sums them in chunk order and narrows the bracket to [t_j, t_{j+1} - 1] of the largest
+    t_j that passes: width w -> ceil(w / NB), so a phase ends (lo == hi: the cut) within ceil(32 / log2(NB))
+    rounds. A top-p phase starts with lo at top-k's cut (or the smallest logit): its first round's mass at
+    t_0 = lo is the mass of the top-k set, and its target is top_p times that (the same sums as every later
+    round's, so the cut is where this arithmetic says)."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    chunk = tl.program_id(1)
+    st = state_i_ptr + rows * N_STATE
+    sf = state_f_ptr + rows * N_STATE
+    phase = tl.load(st + S_PHASE, mask=rows < B, other=0)
+    busy = (rows < B) & ((phase == PHASE_TOP_K) | (phase == PHASE_TOP_P))
+    if tl.max(busy.to(tl.int32)) > 0:
+        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+        lo = tl.load(st + S_LO, mask=busy, other=0)
+        hi = tl.load(st + S_HI, mask=busy, other=0)
+        m = tl.load(sf + F_M, mask=busy, other=0.0)
+        c = tl.load(sf + F_C, mask=busy, other=0.0)
+        j = tl.arange(0, NB)
+        thr = lo[:, None] + ((hi - lo + 1)[:, None] * j[None, :]) // NB  # [R, NB] int64, t_0 = lo, increasing
+        thr32 = thr.to(tl.int32)  # between two int32 keys
+        lo32 = lo.to(tl.int32)
+        hi32 = hi.to(tl.int32)
+        weigh = tl.max((busy & (phase == PHASE_TOP_P)).to(tl.int32)) > 0  # top-k rows only count
+        cnt_slots = tl.zeros((R, BLOCK, NB), tl.int32)  # per slot: one cross-thread reduction after the loop
+        mass_slots = tl.zeros((R, BLOCK, NB), tl.float32)
+        cnt_above = tl.zeros((R, BLOCK), tl.int32)  # key > hi: at or above every threshold
+        mass_above = tl.zeros((R, BLOCK), tl.float32)
+        start = chunk * chunk_len
+        for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+            x, cols, msk = _load_block(base, off, V, busy, BLOCK)
+            x = x + 0.0  # -0.0 -> +0.0, as in every key
+            key = _ordered_key(x)
+            above = msk & (key > hi32[:, None])
+            cnt_above += above.to(tl.int32)
+            inside = msk & (key >= lo32[:, None]) & (key <= hi32[:, None])
+            any_inside = tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0  # else the block skips the thresholds
+            key = tl.where(inside, key, -(2**31))  # below every threshold
+            if weigh:
                 p = tl.exp2((x - m[:, None]) * c[:, None])
-                mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
-            if any_unfiltered:
-                keep = unfiltered[:, None] & msk & (x > float("-inf"))
-                race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
-                race = tl.where(keep, race, float("-inf"))
-                up = race > race_slots  # strict: a slot keeps its earliest index on ties
-                race_idx = tl.where(up, cols[None, :], race_idx)
-                race_slots = tl.where(up, race, race_slots)
-        tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
-        tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
-        race_best = tl.max(race_slots, 1)
-        tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
-        race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
-        tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
-
-    if PHASE == 4:
-        pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
-        parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
-        cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
-        mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
-        race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"))
-        race_best = tl.max(race_bests, 1)
-        race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V)
-        race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
-        token = tl.where(unfiltered, race_tok, token)
-
-        # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
-        below_cut = tl.where(
-            k_on[:, None],
-            cnt >= top_k[:, None],
-            (p_on[:, None] & (mass >= (top_p * total)[:, None]))
-            | (mp_on[:, None] & (tl.exp2((thr - m[:, None]) * c[:, None]) < min_p[:, None])),
-        )
-        usable = below_cut & (cnt <= CAP)
-        j_best = tl.min(tl.where(usable, j[None, :], NT), 1)
-        regather = counted & (j_best < NT)
-        s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
-
-        # ---- 3. parallel gather of this chunk at the best usable threshold, over the chunk's own slots
-        n_re = tl.zeros((R,), tl.int32)
-        stop = tl.where(tl.max(regather.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
-        for off in range(start, stop, BLOCK):
-            x, cols, msk = _load_block(base, off, V, regather, BLOCK)
-            take = (x >= s[:, None]) & msk  # NaN rows never get here
-            pos = n_re[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-            tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
-            tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-            n_re += tl.sum(take.to(tl.int32), 1)
-        tl.store(search_i_ptr + sbase + NT + 2, n_re, mask=row_ok)
+                mass_above += tl.where(above, p, 0.0)
+                if any_inside:
+                    mass_slots += tl.where(key[:, :, None] >= thr32[:, None, :], p[:, :, None], 0.0)
+            if any_inside:
+                cnt_slots += (key[:, :, None] >= thr32[:, None, :]).to(tl.int32)  # [R, BLOCK, NB]
+        cnt = tl.sum(cnt_slots, 1) + tl.sum(cnt_above, 1)[:, None]  # [R, NB]
+        mass = tl.sum(mass_slots, 1) + tl.sum(mass_above, 1)[:, None]
+        part = (rows[:, None] * split + chunk) * NB + j[None, :]
+        tl.store(round_cnt_ptr + part, cnt, mask=busy[:, None])
+        tl.store(round_mass_ptr + part, mass, mask=busy[:, None])
         tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-        row_ok &= arrived == split - 1  # the row's last program to arrive finishes it
-        k_on &= row_ok
-        p_on &= row_ok
-        mp_on &= row_ok
-        regather &= row_ok
-        in_buf = (gathered | regather) & row_ok
-        full = filtered & row_ok & ~in_buf
-        n_re_chunk = tl.load(search_i_ptr + parts + NT + 2, mask=pm & regather[:, None], other=0, volatile=True)
-        n_chunk = tl.where(regather[:, None], n_re_chunk, n_chunk)  # [R, SPLIT]
-        n_buf = tl.where(in_buf, tl.sum(n_chunk, 1), 0)
-        # where slot i of the row's gathered list lives: chunk = number of chunk lists ending at or before i
-        ends = tl.cumsum(n_chunk, 1)
-        tl.store(ends_ptr + rows[:, None] * SPLIT + sp[None, :], ends, mask=in_buf[:, None])
-        tl.debug_barrier()  # the ends were written by other threads of this program
-
-        # exact cut on the <= CAP gathered logits, then the race among them
-        if tl.max(in_buf.to(tl.int32)) > 0:
-            slot = tl.arange(0, CAP)
-            bmask = in_buf[:, None] & (slot[None, :] < n_buf[:, None])
-            src_chunk = tl.zeros((R, CAP), tl.int32)
-            for level in tl.static_range(LOG_SPLIT):  # binary search over the SPLIT ends
-                half = SPLIT >> (level + 1)
-                end = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk + half - 1, mask=bmask, other=CAP + 1)
-                src_chunk += tl.where(end <= slot[None, :], half, 0)
-            prev = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk - 1, mask=bmask & (src_chunk > 0), other=0)
-            src = (rows[:, None] * split + src_chunk).to(tl.int64) * CAP + slot[None, :] - prev
-            vals = tl.load(buf_val_ptr + src, mask=bmask, other=float("-inf"), volatile=True)
-            idx = tl.load(buf_idx_ptr + src, mask=bmask, other=0, volatile=True).to(tl.int64)
-            keys = _ordered_key(vals + 0.0).to(tl.int64)
-            p = tl.where(bmask, tl.exp2((vals - m[:, None]) * c[:, None]), 0.0)
-            lo = tl.min(tl.where(bmask, keys, _ordered_key(m).to(tl.int64)[:, None]), 1)
-            top = _ordered_key(m).to(tl.int64) + 1
-            key_k = _bisect_tile(keys, p, lo, tl.where(k_on, top, lo + 1), top_k, total, False, NT)
-            z = tl.where(k_on, tl.sum(tl.where(keys >= key_k[:, None], p, 0.0), 1), total)  # top-p after top-k
-            key_cut = _bisect_tile(keys, p, key_k, tl.where(p_on, top, key_k + 1), top_k, top_p * z, True, NT)
-            keep = bmask & (keys >= key_cut[:, None])
-            keep &= ~mp_on[:, None] | (tl.exp2((vals - m[:, None]) * c[:, None]) >= min_p[:, None])
-            race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), -1e38)
-            win = tl.argmax(race, 1, tie_break_left=True)
-            drawn = tl.max(tl.where(slot[None, :] == win[:, None], idx, -1), 1)
-            token = tl.where(in_buf, drawn, token)
-
-        # ---- 4. rows whose kept set may exceed CAP: exact cut, then a race over the row (one program per row)
-        if tl.max(full.to(tl.int32)) > 0:
-            lo = _ordered_key(x_min).to(tl.int64)
-            top = _ordered_key(m).to(tl.int64) + 1
-            key_k, z = _bisect_key(base, V, full, m, c, lo, tl.where(full & k_on, top, lo + 1), total, top_k,
-                                   total, False, BLOCK_T, NT)  # fmt: skip
-            key_cut, _ = _bisect_key(base, V, full, m, c, key_k, tl.where(full & p_on, top, key_k + 1), z, top_k,
-                                     top_p * z, True, BLOCK_T, NT)  # fmt: skip
-            best = tl.full((R,), float("-inf"), tl.float32)
-            best_idx = tl.zeros((R,), tl.int64)
-            for off in range(0, V, BLOCK):
-                x, cols, msk = _load_block(base, off, V, full, BLOCK)
-                x = x + 0.0
-                keep = msk & (_ordered_key(x) >= key_cut[:, None]) & (x > float("-inf"))
-                keep &= ~mp_on[:, None] | (tl.exp2((x - m[:, None]) * c[:, None]) >= min_p[:, None])
-                race = tl.where(keep, _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols), -1e38)
-                blk_best = tl.max(race, 1)
-                blk_idx = tl.argmax(race, 1, tie_break_left=True).to(tl.int64) + off
-                best_idx = tl.where(blk_best > best, blk_idx, best_idx)
-                best = tl.maximum(best, blk_best)
-            token = tl.where(full, best_idx, token)
-        tl.store(out_ptr + rows, token, mask=row_ok)
+        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
+        last = busy & (arrived == split - 1)
+        if tl.max(last.to(tl.int32)) > 0:
+            sp = tl.arange(0, SPLIT)
+            pm = last[:, None, None] & (sp < split)[None, :, None] & (j >= 0)[None, None, :]
+            parts = (rows[:, None, None] * split + sp[None, :, None]) * NB + j[None, None, :]  # [R, SPLIT, NB]
+            cnt = tl.sum(tl.load(round_cnt_ptr + parts, mask=pm, other=0, volatile=True), 1)  # chunk order
+            mass = tl.sum(tl.load(round_mass_ptr + parts, mask=pm, other=0.0, volatile=True), 1)
+            in_k = phase == PHASE_TOP_K
+            k = tl.load(st + S_K, mask=last, other=0)
+            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
+            target = tl.load(sf + F_TARGET, mask=last, other=0.0)
+            target = tl.where(target < 0, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
+            ok = tl.where(in_k[:, None], cnt.to(tl.int64) >= k[:, None], mass >= target[:, None])  # true, then false
+            j_cut = tl.maximum(tl.sum(ok.to(tl.int32), 1) - 1, 0)
+            new_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], thr, 0), 1)
+            next_thr = tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, thr, 0), 1)
+            new_hi = tl.maximum(tl.where(j_cut + 1 < NB, next_thr - 1, hi), new_lo)
+            done = new_hi == new_lo
+            to_p = in_k & done & (top_p < 1.0)  # top-k done: top-p next, over the top-k set, else the race
+            next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), phase)
+            tl.store(st + S_PHASE, next_phase, mask=last)
+            tl.store(st + S_LO, new_lo, mask=last)
+            tl.store(st + S_HI, tl.where(to_p, tl.load(st + S_TOP, mask=last, other=0), new_hi), mask=last)
+            tl.store(st + S_CUT, new_lo, mask=last)
+            tl.store(sf + F_TARGET, tl.where(to_p, -1.0, target), mask=last)
+            rounds_at = tl.where(in_k, S_ROUNDS_K, S_ROUNDS_P)
+            tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
 
 
-def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None):
+@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_len"])
+def _race_kernel(
+    logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
+    race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, chunk_len,
+    R: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Rows whose cut the rounds found (others exit at once): the exponential race over the kept x of this chunk
+    (key >= cut, p >= min_p) -> partials; the row's last program to arrive takes the best (lowest index on
+    ties, chunks being in token order) and writes the token."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    chunk = tl.program_id(1)
+    st = state_i_ptr + rows * N_STATE
+    sf = state_f_ptr + rows * N_STATE
+    racing = (rows < B) & (tl.load(st + S_PHASE, mask=rows < B, other=0) == PHASE_RACE)
+    if tl.max(racing.to(tl.int32)) > 0:
+        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+        cut = tl.load(st + S_CUT, mask=racing, other=0).to(tl.int32)
+        m = tl.load(sf + F_M, mask=racing, other=0.0)
+        c = tl.load(sf + F_C, mask=racing, other=0.0)
+        min_p = tl.load(sf + F_MIN_P, mask=racing, other=0.0)
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=racing, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows * step_stride, mask=racing, other=0).to(tl.int64)
+        best = tl.full((R, BLOCK), float("-inf"), tl.float32)
+        best_idx = tl.zeros((R, BLOCK), tl.int32) + V
+        start = chunk * chunk_len
+        for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+            x, cols, msk = _load_block(base, off, V, racing, BLOCK)
+            x = x + 0.0
+            keep = msk & (_ordered_key(x) >= cut[:, None]) & (x > float("-inf"))
+            keep &= tl.exp2((x - m[:, None]) * c[:, None]) >= min_p[:, None]  # min-p 0 when off
+            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+            race = tl.where(keep, race, float("-inf"))
+            up = race > best  # strict: a slot keeps its earliest index on ties
+            best_idx = tl.where(up, cols[None, :], best_idx)
+            best = tl.where(up, race, best)
+        chunk_best = tl.max(best, 1)
+        chunk_idx = tl.min(tl.where(best == chunk_best[:, None], best_idx, V), 1)
+        tl.store(race_f_ptr + rows * split + chunk, chunk_best, mask=racing)
+        tl.store(race_i_ptr + rows * split + chunk, chunk_idx, mask=racing)
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=racing, sem="acq_rel", scope="gpu")
+        last = racing & (arrived == split - 1)
+        if tl.max(last.to(tl.int32)) > 0:
+            sp = tl.arange(0, SPLIT)
+            pm = last[:, None] & (sp < split)[None, :]
+            bests = tl.load(race_f_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=float("-inf"),
+                            volatile=True)  # fmt: skip
+            ids = tl.load(race_i_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=V, volatile=True)
+            winner = tl.max(bests, 1)
+            token = tl.min(tl.where(bests == winner[:, None], ids, V), 1).to(tl.int64)
+            tl.store(out_ptr + rows, token, mask=last)
+
+
+def rounds_per_phase(bins: int) -> int:
+    """Radix rounds that bring any bracket of int32 keys (width <= 2^32) to one key with `bins` thresholds."""
+    width, rounds = 2**32, 0
+    while width > 1:
+        width, rounds = -(-width // bins), rounds + 1
+    return rounds
+
+
+def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
+           bins=16, rounds=None, state=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
-    block / cap / nt / rows (rows per program) / split (programs per row, <= 64) are tuning knobs; tests shrink
-    cap to exercise the fallback and set split on the CPU."""
+    block / cap / nt / rows (rows per program) / split (programs per row, <= 64) / bins (radix thresholds per
+    round, a power of 2) are tuning knobs; tests shrink cap to send rows to the radix rounds and set split on
+    the CPU.
+    rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
+    receives the rows' radix state: phase, cut, rounds per phase) are test hooks."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -417,13 +644,18 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     if block is None:
         block = min(2048, triton.next_power_of_2(V))
     block_t = min(block, 1024)
+    block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
     if cap is None:  # the gather buffer never needs more than V slots
         cap = min(1024, triton.next_power_of_2(V))
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
-        rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // (max(block, cap) * nt)))
+        tile = max(max(block, cap) * nt, block_r * bins)  # the largest [R, ., .] tile of the kernels, per row
+        rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // tile))
     if split is None:  # spread both passes over ~2048 programs (bytes in flight), chunks of at least a block
         split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
     assert 1 <= split <= SPLIT_MAX
+    assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
+    if rounds is None:
+        rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
     chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
     device = logits.device
     part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
@@ -433,21 +665,39 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     ends = torch.empty(B, triton.next_power_of_2(split), dtype=torch.int32, device=device)
     buf_val = torch.empty(B, split, cap, dtype=torch.float32, device=device)
     buf_idx = torch.empty(B, split, cap, dtype=torch.int32, device=device)
-    counters = torch.empty(B, dtype=torch.int32, device=device)  # zeroed by the stats kernel
+    if state is None:
+        state = torch.empty(B, N_STATE.value, dtype=torch.int64, device=device)
+    state_f = torch.empty(B, N_STATE.value, dtype=torch.float32, device=device)
+    round_cnt = torch.empty(B, split, bins, dtype=torch.int32, device=device)
+    round_mass = torch.empty(B, split, bins, dtype=torch.float32, device=device)
+    race_f = torch.empty(B, split, dtype=torch.float32, device=device)
+    race_i = torch.empty(B, split, dtype=torch.int32, device=device)
+    # one arrival counter per row and launch that has arrivals (finish, each round, race): zeroed by launch 1
+    counters = torch.empty(rounds + 2, B, dtype=torch.int32, device=device)
     grid = (triton.cdiv(B, rows), split)
     num_warps = 8 if logits.is_cuda else 1
+    SPLIT = triton.next_power_of_2(split)
     _stats_kernel[grid](
-        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters, split, chunk_len,
-        R=rows, BLOCK=block, num_warps=num_warps,
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters, rounds + 2, split,
+        chunk_len, R=rows, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    for phase in (2, 3, 4):  # speculative gather, counts where it missed, regather + cut + race
-        _search_kernel[grid](
+    for kernel in (_speculative_gather_kernel, _threshold_count_kernel, _finish_kernel):
+        kernel[grid](
             logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
-            part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters, out, split, chunk_len,
-            R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=triton.next_power_of_2(split),
-            LOG_SPLIT=triton.next_power_of_2(split).bit_length() - 1, PHASE=phase, num_warps=num_warps,
+            part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters[0], out, state, state_f,
+            split, chunk_len, R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=SPLIT,
+            LOG_SPLIT=SPLIT.bit_length() - 1, num_warps=num_warps,
         )  # fmt: skip
+    for r in range(rounds):
+        _radix_round_kernel[grid](
+            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split, chunk_len,
+            R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, num_warps=num_warps,
+        )  # fmt: skip
+    _race_kernel[grid](
+        logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, race_f, race_i,
+        counters[rounds + 1], out, split, chunk_len, R=rows, BLOCK=block, SPLIT=SPLIT, num_warps=num_warps,
+    )  # fmt: skip
     return out
 
 

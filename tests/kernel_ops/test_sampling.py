@@ -6,6 +6,8 @@ test must reject deliberately wrong samplers. Exact tests: greedy / top-k 1 / ti
 reproducibility, NaN and inf rows, torch.export. GPU tests: V = 248320 in fp32 and bf16, CUDA graph replay.
 """
 
+import math
+
 import pytest
 import torch
 from scipy.stats import chi2
@@ -86,7 +88,7 @@ def test_filtered_distribution_matches_its_definition():
     [
         (16, 11_200, None),  # power of two: 9 combos x 11.2k = 100k draws
         (43, 4_000, None),  # prime V: a masked tail in every block (the interpreter is slow: fewer draws)
-        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the exact full-row bisection fallback
+        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the radix rounds and the race launch
     ],
 )
 def test_distribution_chi_square(V, draws, cap):
@@ -240,7 +242,7 @@ def random_rows(B, V, seed):
     return logits, temperature, top_k, top_p, min_p
 
 
-@pytest.mark.parametrize("cap", [None, 4])  # everything in the buffer / mostly the full-row fallback
+@pytest.mark.parametrize("cap", [None, 4])  # everything in the buffer / mostly the radix rounds
 def test_sampled_token_in_kept_set(cap):
     B, V = 2048, 37
     logits, temperature, top_k, top_p, min_p = random_rows(B, V, seed=cap or 0)
@@ -259,7 +261,7 @@ def test_sampled_token_in_kept_set(cap):
     [
         (3, 96, 300, 32, None),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
         (8, 96, 300, 32, None),  # chunks wholly past V; gathered lists spread over up to 8 chunks
-        (5, 96, 300, 32, 16),  # small buffer: regathers and full-row fallbacks after a split search (5: SPLIT 8)
+        (5, 96, 300, 32, 16),  # small buffer: regathers and radix rounds over split chunks (5: SPLIT 8)
         (4, 12, 2100, None, None),  # default blocks: 2048 for the stats, 1024 for the threshold tiles
     ],
 )
@@ -356,6 +358,149 @@ def test_torch_export():
     assert torch.equal(ep.module()(*args), Sampler()(*args))
 
 
+# ---------------------------------------------------------------- radix rounds (rows whose kept set may exceed CAP)
+
+FAMILIES = ["flat", "llm", "peaked", "zipf", "ties", "masked", "llm_T0.05", "llm_T5"]  # the benchmark's shapes
+
+
+def family_logits(shape, B, V, seed=0, device="cpu"):
+    """The benchmark's logit shapes (experiments/bench_sampling.py) at any V -> (logits [B, V], temperature)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kind = shape.split("_")[0]
+    x = torch.randn(B, V, generator=g, device=device)
+    if kind in ("llm", "masked"):  # a few tokens carry most of the mass
+        n = min(64, V // 8)
+        x = x * 2
+        cand = torch.randint(0, V, (B, n), generator=g, device=device)
+        x.scatter_add_(1, cand, torch.linspace(20, 6, n, device=device).expand(B, -1))
+        if kind == "masked":  # most of the vocabulary at -inf
+            keep = torch.rand(B, V, generator=g, device=device) < 0.3
+            x = x.masked_fill(~keep.scatter(1, cand, True), float("-inf"))
+    elif kind == "peaked":  # 3 tokens 40 above N(0, 1): the k-th largest in the flat tail
+        peaks = torch.randint(0, V, (B, 3), generator=g, device=device)
+        x.scatter_add_(1, peaks, torch.full((B, 3), 40.0, device=device))
+    elif kind == "zipf":
+        x = -1.1 * (torch.rand(B, V, generator=g, device=device).argsort(-1).float() + 1).log()
+    elif kind == "ties":  # many exact ties at every cut
+        x = (x * 2).round()
+    temperature = float(shape.split("_T")[1]) if "_T" in shape else 1.0
+    return x, temperature
+
+
+def radix_modes(V):
+    """(top_k, top_p, min_p): top-k 1 / 50 / 1000 / V (1000 -> V // 2 at small V), top-p 0.5 / 0.95 / 0.999,
+    min-p alone, top-k + top-p, all three."""
+    return [(1, 1.0, 0.0), (50, 1.0, 0.0), (V // 2, 1.0, 0.0), (V, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.95, 0.0),
+            (0, 0.999, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.0), (V // 2, 0.95, 0.02)]  # fmt: skip
+
+
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving int32 keys of fp32 logits (-0.0 folded into +0.0) -> int64."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+
+
+def run_with_state(logits, temperature, modes, **knobs):
+    """One launch over rows = modes x (rows of logits) -> (tokens, radix state, per-row parameters)."""
+    n = len(modes)
+    rows = logits.repeat_interleave(n, 0)
+    B = rows.shape[0]
+    top_k, top_p, min_p = (torch.tensor([m[i] for m in modes] * len(logits), device=logits.device) for i in range(3))
+    temperature = torch.full((B,), temperature, device=logits.device)
+    state = torch.full((B, fused.N_STATE.value), -7, dtype=torch.int64, device=logits.device)
+    step = torch.arange(B, device=logits.device)
+    out = fused.launch(rows, temperature, top_k.long(), top_p.float(), min_p.float(), step, step, state=state, **knobs)
+    return out, state, rows, temperature, top_k, top_p, min_p
+
+
+def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, exact=True, slack=0.0):
+    """Tokens in the float64 kept set; rows the rounds finished keep the reference's top-k / top-p set (key >=
+    cut; `slack`: the fraction of it that may differ, fp32 sums over a large V against float64); no phase ran
+    more rounds than the bound. -> how many rows took the radix rounds."""
+    B = rows.shape[0]
+    probs = torch.softmax(rows.double() / temperature[:, None].double(), -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    in_keep = keep[torch.arange(B, device=out.device), out.clamp(min=0)]
+    assert in_keep.all() and (out >= 0).all(), "a token outside the kept set"
+    phase = state[:, fused.S_PHASE.value]
+    assert not ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any(), "unfinished rows"
+    bound = fused.rounds_per_phase(bins)
+    assert state[:, fused.S_ROUNDS_K.value].max() <= bound and state[:, fused.S_ROUNDS_P.value].max() <= bound
+    radix = phase == fused.PHASE_RACE.value
+    if exact:
+        kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (rows > float("-inf"))
+        ref = naive.filter_probs(probs, top_k, top_p.double(), torch.zeros_like(min_p).double())
+        bad = (kept != ref)[radix].sum(-1) > slack * ref[radix].sum(-1)
+        assert not bad.any(), f"kept set differs from the reference in {int(bad.sum())} radix rows"
+    return int(radix.sum())
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(f, torch.float32) for f in FAMILIES] + [("peaked", torch.float16), ("ties", torch.float16)],  # half logits
+)
+def test_radix_rounds_give_the_reference_kept_set(shape, dtype):
+    # a buffer of 8 slots sends nearly every filtered row to the radix rounds; 3 chunks of 4 blocks of 32 (the
+    # last one partial) so that the partials of several programs are combined
+    V = 300
+    logits, temperature = family_logits(shape, 3, V, seed=FAMILIES.index(shape))
+    logits = logits.to(dtype)
+    modes = radix_modes(V)
+    got = run_with_state(logits, temperature, modes, cap=8, block=32, split=3)
+    n_radix = check_radix_rows(*got, bins=16)
+    assert n_radix >= 3  # the test reaches the rounds on every shape
+
+
+@pytest.mark.parametrize("bins", [16, 4])
+def test_radix_rounds_never_exceed_the_bound(bins):
+    # worst shapes for the rounds: the keys span the whole int32 range (x_min = -3e38, max = +3e38) and the cut
+    # sits among values near 0, so top-k runs every round of its phase, then top-p again over [cut, max]
+    V, B = 96, 4
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, V, generator=g) * torch.logspace(-30, 1, V)[torch.randperm(V, generator=g)]
+    logits[:, 0], logits[:, 1] = -3e38, 3e38
+    logits[1, 2:] = logits[1, 2:].round()  # exact ties at the cut
+    modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0)]
+    temperature = 1e37  # keeps the mass spread over the row: top-p's cut lands inside it
+    got = run_with_state(logits, temperature, modes, cap=4, block=32, split=3, bins=bins)
+    out, state, rows = got[:3]
+    check_radix_rows(*got, bins=bins, exact=False)
+    # the exact number of rounds: a bracket of w keys shrinks to ceil(w / bins) per round
+    keys = ordered_keys(rows)
+    bound = fused.rounds_per_phase(bins)
+
+    def rounds(width):
+        return max(1, math.ceil(math.log(width, bins) - 1e-12))
+
+    top_k = torch.tensor([m[0] for m in modes] * B)
+    for r in range(len(rows)):
+        if top_k[r] > 0:
+            width = keys[r].max() - keys[r].min() + 1
+            assert state[r, fused.S_ROUNDS_K.value] == rounds(width.item()), r
+    assert state[:, fused.S_ROUNDS_K.value].max() == bound  # the worst row needs every round of the bound
+    # one round fewer than the bound: rows are left unfinished, and the checks above see it (invalid tokens)
+    seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
+    short = fused.launch(rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, rounds=2 * bound - 1)
+    assert (short == naive.INVALID_TOKEN).any()
+
+
+def test_rounds_per_phase():
+    assert [fused.rounds_per_phase(b) for b in (2, 4, 16, 256, 2**16)] == [32, 16, 8, 4, 2]
+
+
+def test_radix_distribution_chi_square():
+    # the rounds and the race launch draw from the exact filtered law on the hard shapes (peaked: the k-th value
+    # in the tail; ties at the cut; zipf), 2k draws per combo through an 4-slot buffer
+    V, draws = 48, 2_000
+    combos = [(1.0, 20, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.0, 10, 1.0, 0.05)]
+    for shape in ("peaked", "ties", "zipf"):
+        logits = family_logits(shape, 1, V, seed=3)[0][0]
+        tokens = draw_combos(lambda *a: fused.launch(*a, cap=4, block=16, split=2), logits, combos, draws)
+        for combo, row in zip(combos, tokens):
+            pvalue = chi_square_pvalue(row, filtered_distribution(logits, *combo))
+            assert pvalue > 1e-3, f"{shape} {combo}: chi-square p = {pvalue:.2e}"
+
+
 # ---------------------------------------------------------------- GPU (V of Qwen3.5-MoE)
 
 V_FULL = 248320
@@ -363,7 +508,7 @@ V_FULL = 248320
 
 def llm_like_logits(B, V, device, dtype, seed=0):
     """Rows like a language model's (background N(0, 2^2), 64 candidates lifted by 20 .. 6: a few tokens carry
-    most of the mass), the last row flat (N(0, 0.1^2): top-p keeps ~V tokens, the kernel's fallback)."""
+    most of the mass), the last row flat (N(0, 0.1^2): top-p keeps ~V tokens, the radix rounds)."""
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(B, V, device=device, generator=g) * 2
     cand = torch.randint(0, V, (B, 64), device=device, generator=g)
@@ -447,3 +592,70 @@ def test_naive_greedy_equals_sample_at_temperature_zero():
     expected = naive.sample(logits, zeros, ints, torch.ones(6), zeros, ints, ints)
     assert torch.equal(naive.greedy(logits), expected)
     assert expected.tolist()[1:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 9, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FAMILIES)
+def test_gpu_full_vocab_radix_rows(shape):
+    # every mode on 2 rows of each benchmark shape at V = 248320: tokens in the kept set, the rounds' cut keeps
+    # the reference's set (up to 1e-4 of it: fp32 sums of 248k terms against float64), rounds within the bound
+    logits, temperature = family_logits(shape, 2, V_FULL, seed=1, device="cuda")
+    got = run_with_state(logits, temperature, radix_modes(V_FULL))
+    check_radix_rows(*got, bins=16, slack=1e-4)
+
+
+def gpu_draws(logits, combos, draws, **knobs):
+    """combos x draws rows of one logits row (stride-0 view), step = draw index -> tokens [len(combos), draws]."""
+    n = len(combos) * draws
+    cols = [torch.tensor([c[i] for c in combos], device="cuda").repeat_interleave(draws) for i in range(4)]
+    step = torch.arange(draws, device="cuda").repeat(len(combos))
+    seed = torch.full((n,), 1234, device="cuda")
+    out = fused.launch(logits.expand(n, -1), cols[0].float(), cols[1].long(), cols[2].float(), cols[3].float(),
+                       seed, step, **knobs)  # fmt: skip
+    return out.view(len(combos), draws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [None, 16])  # the default buffer / nearly every row through the radix rounds
+@pytest.mark.parametrize("shape", FAMILIES)
+def test_gpu_families_chi_square(shape, cap):
+    # 100k draws per combination from one row of each shape (V = 16384: the expected law stays cheap to compute)
+    logits, temperature = family_logits(shape, 1, 16384, seed=2, device="cuda")
+    combos = [(temperature, 50, 0.9, 0.0), (temperature, 0, 0.95, 0.0), (temperature, 0, 1.0, 0.05),
+              (temperature, 1000, 1.0, 0.0)]  # fmt: skip
+    tokens = gpu_draws(logits[0], combos, 100_000, cap=cap).cpu()
+    for combo, row in zip(combos, tokens):
+        expected = filtered_distribution(logits[0].cpu(), *combo)
+        # a token at a top-p cut within fp32 rounding of the float64 one may be kept: rare, and only there
+        outside = expected[row] == 0
+        assert outside.float().mean() < 1e-3, f"{shape} {combo}: {int(outside.sum())} draws outside the kept set"
+        pvalue = chi_square_pvalue(row[~outside], expected)
+        assert pvalue > 1e-3, f"{shape} {combo}: chi-square p = {pvalue:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_radix_rows():
+    # rows that take the rounds (peaked, ties, flat) in one captured graph; logits and parameters change between
+    # replays, the counters and the radix state are rewritten by every call
+    B = 12
+    shapes = ["peaked", "ties", "flat"]
+    logits = torch.cat([family_logits(s, B // 3, V_FULL, device="cuda")[0] for s in shapes])
+    temperature, top_k, top_p, min_p = (t.cuda() for t in params(B, 1.0, 50, 0.9, 0.0))
+    seed, step = torch.full((B,), 7, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
+    args = (logits, temperature, top_k, top_p, min_p, seed, step)
+    fused.sample(*args)  # warm-up (compilation) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.sample(*args)
+    for i in range(4):
+        logits.copy_(torch.cat([family_logits(s, B // 3, V_FULL, seed=i + 1, device="cuda")[0] for s in shapes]))
+        temperature.fill_([0.7, 1.0, 1.3, 1.0][i])
+        top_k.fill_([50, 1000, 0, 5000][i])
+        top_p.fill_([0.9, 1.0, 0.95, 0.99][i])
+        min_p.fill_([0.0, 0.0, 0.02, 0.0][i])
+        step += 1
+        graph.replay()
+        assert torch.equal(out, fused.sample(*args)), i
+        probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
+        keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+        assert keep[torch.arange(B, device="cuda"), out].all(), i
