@@ -124,9 +124,9 @@ def main() -> None:
 
     arch, exports, how = load_configs(args.model, args.layers)
     model = build_model(ModelConfig.from_dict(arch), torch.bfloat16, "cuda", seed=0)
-    model.set_kernels({group: args.kernels for group in model.ops})
-    model.setup_caches(1, args.prompt_len + args.new_tokens + 16)
     sampling = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+    model.set_kernels({group: args.kernels for group in model.ops}, greedy=sampling.greedy)  # as the app does
+    model.setup_caches(1, args.prompt_len + args.new_tokens + 16)
     prompts = torch.randint(
         0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)
     )

@@ -5,7 +5,7 @@ import torch
 
 from qmoe.model import ModelConfig, build_model
 from qmoe.model.hf import to_transformers
-from tests.helpers import TINY_ARCH
+from tests.helpers import TINY_ARCH, tiny_config
 
 TINY = TINY_ARCH
 CONFIGS = {
@@ -144,3 +144,23 @@ def test_35b_shape_initialises_on_gpu_quickly():
     model.setup_caches(1, 64)
     logits = model(torch.randint(0, 248320, (1, 8), device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda"))
     assert logits.shape == (1, 248320) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_greedy_run_samples_through_the_argmax_entry_point(impl):
+    """A greedy run (set_kernels(..., greedy=True), as the app does for temperature 0) samples through the
+    sampler's greedy entry point, which equals the general sampler on greedy rows; it is undone by the next
+    set_kernels without greedy, and the choice is part of the module name that keys exports."""
+    model = build_model(tiny_config(), torch.float32, "cpu", seed=0)
+    model.set_kernels({"sampling": impl}, greedy=True)
+    assert model.ops["sampling"].__name__.endswith("[greedy]")
+    logits = torch.randn(3, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1].max() + 1  # a clear winner
+    B = logits.shape[0]
+    params = [torch.zeros(B), torch.zeros(B, dtype=torch.int64), torch.ones(B), torch.zeros(B)]
+    params += [torch.zeros(B, dtype=torch.int64)] * 2
+    greedy = model.sample(logits, *params)
+    model.set_kernels({"sampling": impl})
+    assert not model.ops["sampling"].__name__.endswith("[greedy]")
+    assert torch.equal(greedy, model.sample(logits, *params))
+    assert torch.equal(greedy, logits.argmax(-1))

@@ -6,6 +6,7 @@ Parameter names equal the Hugging Face text-model keys without their prefix (`la
 """
 
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -178,6 +179,16 @@ class DecoderLayer(nn.Module):
         return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
 
 
+def greedy_sampler(module) -> SimpleNamespace:
+    """A sampling module whose `sample(logits, *params)` is `module.greedy(logits)`: right only when every row's
+    temperature is 0, which the caller knows from its config (the parameters are device tensors)."""
+
+    def sample(logits, *params):
+        return module.greedy(logits)
+
+    return SimpleNamespace(sample=sample, greedy=module.greedy, general=module, __name__=f"{module.__name__}[greedy]")
+
+
 class Qwen35MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -198,10 +209,15 @@ class Qwen35MoE(nn.Module):
             for name, parts in getattr(module, "FUSED", {}).items():
                 module.register_buffer(name, fuse_rows_(module, parts), persistent=False)
 
-    def set_kernels(self, choice: dict) -> None:
-        """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are."""
+    def set_kernels(self, choice: dict, greedy: bool = False) -> None:
+        """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are.
+        greedy: the run samples every row at temperature 0 (its config says so), so `sample` is the sampler's
+        argmax entry point (two launches) instead of its general path; exported methods bake the choice in, and
+        the sampling module's name carries it (it keys the export cache and the saved artifact's manifest)."""
         for group, impl in choice.items():
             self.ops[group] = kernels.resolve(group, impl)
+        sampler = getattr(self.ops["sampling"], "general", self.ops["sampling"])  # undo an earlier greedy choice
+        self.ops["sampling"] = greedy_sampler(sampler) if greedy else sampler
 
     @property
     def device(self) -> torch.device:
