@@ -384,31 +384,37 @@ def test_gpu_methods_match_eager_and_ledger_matches_profiler(gpu, preset, split)
     m = prog.methods
 
     def step(x, pos, s, ledger):
+        """The program's part of step s: the token (split, fused) or the logits (forward_only)."""
         if "decode" in m:
             return (m["prefill"] if s == 0 else m["decode"])(x, pos, *params, steps[s], ledger=ledger)[0]
         (logits,) = m["forward"](x, pos, ledger=ledger)
         if "sample" in m:
             return m["sample"](logits, *params, steps[s], ledger=ledger)[0]
-        return model.sample(logits, *params, steps[s])
+        return logits
+
+    def token(out, s):  # forward_only: the test samples, outside the profiled region (its copies are not ours)
+        return out if "sample" in m or "decode" in m else model.sample(out, *params, steps[s])
 
     model.reset_caches()
     ledger = TransferLedger()
     x, pos, tokens = prompt.to(where), torch.zeros(B, dtype=torch.int64, device=where), []
     for s in range(3):
-        tokens.append(step(x, pos, s, ledger).clone())
+        tokens.append(token(step(x, pos, s, ledger), s).clone())
         pos, x = pos + x.shape[1], tokens[-1][:, None]
-    decode = lambda: tokens.append(step(x, pos, 3, ledger.at("decode", 3)).clone())  # noqa: E731
-    _, seen = profiled_memcpys(decode)
+    out, seen = profiled_memcpys(lambda: step(x, pos, 3, ledger.at("decode", 3)))
+    tokens.append(token(out, 3).clone())
     for got, want in zip(tokens, eager_tokens, strict=True):
         assert torch.equal(got.cpu(), want.cpu())
-    recorded = [t for t in ledger.transfers if t.phase == "decode"]
     assert ledger_totals(ledger, "decode") == seen
     sources = {t.source for t in ledger.transfers}
-    # copy_elided: the inputs passed here are device tensors outside their planned buffers: device-to-device copies
-    assert sources == {"baseline": {"delegate"}, "device_planned": {"copy_node"}, "copy_elided": {"runner"}}[preset]
+    # copy_elided: the inputs passed here are device tensors outside their planned buffers: device-to-device
+    # copies; with planning on, the sampled token (the torch sampler has no out-variant) is copied into its buffer
+    expected = {"baseline": {"delegate"}, "device_planned": {"copy_node"}, "copy_elided": {"runner"}}[preset]
+    assert sources == expected | ({"delegate"} if preset != "baseline" and split != "forward_only" else set())
     if preset == "copy_elided":
         assert {t.direction for t in ledger.transfers} == {"d2d"}
     if preset == "device_planned":  # one record per copy node per call, in decode with T = 1
+        recorded = [t for t in ledger.transfers if t.phase == "decode" and t.source == "copy_node"]
         copies = [c for method in prog.plan.methods if method != "prefill" for c in prog.plan.copies[method]]
         assert len(recorded) == len(copies)
 
@@ -442,3 +448,20 @@ def test_outputs_in_place(dtype, tail, in_place):
     ref = torch.nn.functional.linear(x.double(), w.double())
     ref = (ref if tail == "cast" else torch.relu(ref)).float()
     torch.testing.assert_close(result, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def test_greedy_token_is_written_in_place():
+    """The Triton greedy sampler's op has an out-variant: a method's token lands in its planned buffer, no copy."""
+    from kernels.sampling import triton as sampling
+    from qmoe.export.program import outputs_in_place
+
+    class Greedy(torch.nn.Module):
+        def forward(self, logits):
+            return sampling.greedy(logits)
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    gm, written = outputs_in_place(torch.export.export(Greedy(), (logits,)).graph_module, [0])
+    out = torch.full((3,), -7, dtype=torch.int64)
+    (token,) = gm(logits, out)
+    assert written == [True] and token.data_ptr() == out.data_ptr()
+    assert torch.equal(out, logits.argmax(-1))

@@ -49,7 +49,7 @@ def export_settings(preset: str, split: str) -> ExportSettings:
 def model():
     arch = yaml.safe_load((ROOT / "configs/model/qwen35_moe.yaml").read_text())["arch"]
     m = build_model(ModelConfig.from_dict({**arch, "num_hidden_layers": 4}), torch.bfloat16, "cuda", seed=0)
-    m.set_kernels({group: "triton" for group in m.ops})
+    m.set_kernels({group: "triton" for group in m.ops}, greedy=True)  # as the app does for GREEDY
     m.setup_caches(B, PROMPT + 4 * NEW)
     return m
 
@@ -80,7 +80,7 @@ def test_runtime_combination(model, prompts, reference_tokens, runtime, split, p
     _, decode = profiled_memcpys(lambda: [runner.step(None) for _ in range(STEPS)])
     assert ledger_totals(ledger, "prefill") == prefill
     assert ledger_totals(ledger, "decode") == decode
-    per_step = expected_decode_step(runtime, split, preset, B, model.config.vocab_size)
+    per_step = expected_decode_step(runtime, split, preset, B, model.config.vocab_size, token_in_place=True)
     assert decode == {d: {k: v * STEPS for k, v in per_step[d].items()} for d in per_step}
 
     allocations = decode_allocations(runner, prompt, STEPS)

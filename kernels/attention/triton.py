@@ -100,10 +100,10 @@ def _prefill_norm_rope_kernel(
     else:
         kh = head - HQ
         rows = k_ptr + b * stride_kb + t * stride_kt + kh * stride_kh
-        y = _norm_rope(rows, kw_ptr, pos, inv_freq_ptr, eps, ok, D, HALF, BLOCK_D)
-        y = y.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        k_new = _norm_rope(rows, kw_ptr, pos, inv_freq_ptr, eps, ok, D, HALF, BLOCK_D)  # not `y`: triton 3.6 wants
+        k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # one type per name across branches
         k_slots = k_cache_ptr + (b * stride_kcb + kh * stride_kch + pos * stride_kcs)[:, None] + d[None, :]
-        tl.store(k_slots, y, mask=mask)
+        tl.store(k_slots, k_new, mask=mask)
         v = tl.load(v_ptr + (b * stride_vb + t * stride_vt + kh * stride_vh)[:, None] + d[None, :], mask=mask)
         v_slots = v_cache_ptr + (b * stride_vcb + kh * stride_vch + pos * stride_vcs)[:, None] + d[None, :]
         tl.store(v_slots, v.to(v_cache_ptr.dtype.element_ty), mask=mask)

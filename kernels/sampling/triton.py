@@ -742,13 +742,16 @@ def _combine_argmax_kernel(part_max_ptr, part_idx_ptr, out_ptr, B, split, R: tl.
     tl.store(out_ptr + rows, token, mask=rows < B)
 
 
-def launch_greedy(logits: torch.Tensor, block: int | None = None, split: int | None = None) -> torch.Tensor:
-    """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in two launches -> int64 [B].
+def launch_greedy(
+    logits: torch.Tensor, block: int | None = None, split: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in two launches -> int64 [B]
+    (into `out` when given: an exported method's planned buffer).
 
     The row is cut into `split` chunks (~2048 programs in all on the GPU, like the sampler) so that B = 1
     spreads over every SM; the second launch reduces <= SPLIT_MAX partials per row."""
     B, V = logits.shape
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    out = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
     if B == 0:
         return out
     if block is None:
@@ -784,6 +787,13 @@ def greedy_op(logits: torch.Tensor) -> torch.Tensor:
 @greedy_op.register_fake
 def _(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+def greedy_out(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """greedy(logits) written into `out` [B] int64: the out-variant that lets an exported method's token land in
+    its planned buffer (qmoe/export/program.py outputs_in_place)."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    return launch_greedy(logits, out=out)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,14 @@ CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
 def _out_variants() -> dict:
     """Exported op -> its out-variant f(*op args, out). ExecuTorch runs every op as an out-variant into planned
     memory; here only the op that produces a method output needs one, so that it writes the planned buffer."""
-    from kernels.linear import naive, triton  # triton registers qmoe::linear
+    from kernels.linear import naive, triton  # the triton modules register the qmoe ops
+    from kernels.sampling import triton as sampling
 
-    return {torch.ops.aten.linear.default: naive.linear_out, torch.ops.qmoe.linear.default: triton.linear_out}
+    return {
+        torch.ops.aten.linear.default: naive.linear_out,
+        torch.ops.qmoe.linear.default: triton.linear_out,
+        torch.ops.qmoe.greedy.default: sampling.greedy_out,
+    }
 
 
 def _cast_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -610,9 +610,14 @@ def gpu_draws(logits, combos, draws, **knobs):
     cols = [torch.tensor([c[i] for c in combos], device="cuda").repeat_interleave(draws) for i in range(4)]
     step = torch.arange(draws, device="cuda").repeat(len(combos))
     seed = torch.full((n,), 1234, device="cuda")
-    out = fused.launch(logits.expand(n, -1), cols[0].float(), cols[1].long(), cols[2].float(), cols[3].float(),
-                       seed, step, **knobs)  # fmt: skip
-    return out.view(len(combos), draws)
+    rows = 8192  # per launch: the sampler's per-row workspace (gather slots, partials) stays a few GB
+    out = [
+        fused.launch(logits.expand(min(rows, n - r), -1), cols[0][r : r + rows].float(), cols[1][r : r + rows].long(),
+                     cols[2][r : r + rows].float(), cols[3][r : r + rows].float(), seed[r : r + rows],
+                     step[r : r + rows], **knobs)
+        for r in range(0, n, rows)
+    ]  # fmt: skip
+    return torch.cat(out).view(len(combos), draws)
 
 
 @pytest.mark.gpu
