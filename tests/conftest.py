@@ -1,6 +1,7 @@
 """Shared test setup: Triton runs in its interpreter without CUDA; `gpu` tests skip without it."""
 
 import os
+import sys
 
 import torch
 
@@ -23,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory(request):
+    """GPU tests run in parallel processes on one device: each test hands the memory it cached back when it ends
+    (else one test's peak stays reserved in its worker and the others run out), and a test whose peak passes
+    20 GiB is named on stderr, so a memory-hungry test is found, not guessed."""
+    if not HAS_CUDA or "gpu" not in request.keywords:
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if peak > 20:
+        print(f"\n[gpu memory] {request.node.nodeid}: peak {peak:.1f} GiB", file=sys.stderr)
+    torch.cuda.empty_cache()
