@@ -30,7 +30,8 @@ def device() -> str:
 def release_gpu_memory(request):
     """GPU tests run in parallel processes on one device: each test hands the memory it cached back when it ends
     (else one test's peak stays reserved in its worker and the others run out), and a test whose peak passes
-    20 GiB is named on stderr, so a memory-hungry test is found, not guessed."""
+    20 GiB is named (on stderr, and appended to the file QMOE_GPU_MEMLOG names), so a memory-hungry test is
+    found, not guessed."""
     if not HAS_CUDA or "gpu" not in request.keywords:
         yield
         return
@@ -38,5 +39,9 @@ def release_gpu_memory(request):
     yield
     peak = torch.cuda.max_memory_allocated() / 2**30
     if peak > 20:
-        print(f"\n[gpu memory] {request.node.nodeid}: peak {peak:.1f} GiB", file=sys.stderr)
+        line = f"[gpu memory] {request.node.nodeid}: peak {peak:.1f} GiB"
+        print(line, file=sys.stderr)
+        if os.environ.get("QMOE_GPU_MEMLOG"):
+            with open(os.environ["QMOE_GPU_MEMLOG"], "a") as f:
+                f.write(line + "\n")
     torch.cuda.empty_cache()
