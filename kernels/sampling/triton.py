@@ -60,11 +60,19 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _open_uniform(bits):
+    """uint32 -> U in (0, 1) from its top 24 bits, (k + 0.5) / 2^24. k = 2^24 - 1 gives 1 - 2^-25, which fp32
+    rounds up to 1.0 (E = 0: that token would win whatever its p, once in 2^24 token-draws): the largest fp32
+    below 1 stands in for it."""
+    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return tl.minimum(u, 0.99999994)
+
+
+@triton.jit
 def _race_key(x, m, c, seed, step, idx):
     """log2(p / E), E = -ln U ~ Exp(1), U from Philox(seed; step, idx): the kept token with the largest wins."""
     bits = tl.randint(seed, (step << 32) + idx)  # uint32, counter = (idx, step)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits
-    return (x - m) * c - tl.log2(-tl.log(u))
+    return (x - m) * c - tl.log2(-tl.log(_open_uniform(bits)))
 
 
 @triton.jit

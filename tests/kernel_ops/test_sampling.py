@@ -664,3 +664,22 @@ def test_gpu_cuda_graph_replay_radix_rows():
         probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
         keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
         assert keep[torch.arange(B, device="cuda"), out].all(), i
+
+
+def test_race_uniform_stays_below_one():
+    """U = (k + 0.5) / 2^24 rounds to 1.0 in fp32 at k = 2^24 - 1, and E = -ln U = 0 would let that token win
+    whatever its probability (the GPU chi-square tests caught it at top-k 1000): U stays in (0, 1)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def uniform_kernel(bits_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, fused._open_uniform(tl.load(bits_ptr + offs).to(tl.uint32, bitcast=True)))
+
+    k = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1, 2**24 - 1, 2**24 - 1, 2**24 - 1], dtype=torch.int64)
+    bits = ((k << 8) | 0xFF).to(torch.int64).to(torch.int32)  # low bits set: they must not matter
+    out = torch.full((8,), float("nan"))
+    uniform_kernel[(1,)](bits, out, N=8)
+    assert (out > 0).all() and (out < 1).all()
+    assert out[3] < out[4] and out[0] == 0.5 / 2**24
