@@ -143,7 +143,7 @@ class Metered:
 
     def __init__(self, group: str, module, meter: dict):
         self._group, self._module, self._meter = group, module, meter
-        self.count_bytes = False  # the attention's byte count reads positions (a device sync): profiled step only
+        self.calls = None  # a list while profiling: (name, args, out) of each call, counted in bytes afterwards
 
     def __getattr__(self, name):
         fn = getattr(self._module, name)
@@ -156,8 +156,8 @@ class Metered:
             m = meter[group]
             m["host_us"] += (time.perf_counter() - t0) * 1e6
             m["calls"] += 1
-            if wrapper.count_bytes:
-                m["bytes"] += bytes_moved(group, name, args, out)
+            if wrapper.calls is not None:  # bytes_moved reads positions (a sync, a copy): not inside the profile
+                wrapper.calls.append((name, args, out))
             return out
 
         return call
@@ -196,7 +196,7 @@ def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
     device = model.device
     cuda = device.type == "cuda"
     saved = dict(model.ops)
-    model.set_kernels(groups)
+    model.set_kernels(groups, greedy=True)  # the decode loop's sampler (the runs here are greedy)
     meter = defaultdict(lambda: defaultdict(float))
     model.ops = {g: Metered(g, m, meter) for g, m in model.ops.items()}
     B = model.batch_size
@@ -224,10 +224,12 @@ def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
     if cuda:
         meter.clear()
         for wrapper in model.ops.values():
-            wrapper.count_bytes = True
+            wrapper.calls = []
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        for g, wrapper in model.ops.items():
+            meter[g]["bytes"] = sum(bytes_moved(g, *call) for call in wrapper.calls)
         trace = out_dir / "profile_decode_trace.json"
         prof.export_chrome_trace(str(trace))
         parts = kernel_parts(trace)
