@@ -11,6 +11,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import kernels
+from qmoe.runtime.combos import device_error
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,8 +170,8 @@ def validate(cfg: DictConfig) -> Settings:
 
     runtime = OmegaConf.select(cfg, "runtime.name")
     require(runtime in RUNTIMES, "runtime", f"must be one of {', '.join(RUNTIMES)}", runtime)
-    if runtime == "cuda_native":
-        require(device.type == "cuda", "runtime", "cuda_native needs a CUDA device (use runtime=host or reference)")
+    if error := device_error(runtime, device.type == "cuda"):
+        raise ConfigError(error)
 
     named = OmegaConf.to_container(cfg.kernels) if "kernels" in cfg else {}
     for group, impl in named.items():

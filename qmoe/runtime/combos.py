@@ -14,6 +14,13 @@ def resolve_cuda_graph(value, runtime: str, planning: bool, has_cuda: bool) -> b
     return value
 
 
+def device_error(runtime: str, has_cuda: bool) -> str | None:
+    """None if `runtime` can run on this machine's device, else '<key>: <why>' (one line)."""
+    if runtime == "cuda_native" and not has_cuda:
+        return "runtime: cuda_native needs a CUDA device (use runtime=host or reference)"
+    return None
+
+
 def split_error(runtime: str, method_split: str) -> str | None:
     """None if `runtime` can drive the methods of `method_split`, else '<key>: <why>' (one line)."""
     if runtime == "host" and method_split == "fused":
@@ -31,9 +38,7 @@ def split_error(runtime: str, method_split: str) -> str | None:
 
 def combination_error(runtime: str, method_split: str, planning: bool, cuda_graph, has_cuda: bool) -> str | None:
     """None if the combination runs on this machine, else '<key>: <why>' (one line)."""
-    if runtime == "cuda_native" and not has_cuda:
-        return "runtime: cuda_native needs a CUDA device (use runtime=host or reference)"
-    if error := split_error(runtime, method_split):
+    if error := device_error(runtime, has_cuda) or split_error(runtime, method_split):
         return error
     if cuda_graph is True:
         if runtime == "reference":
