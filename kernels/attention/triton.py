@@ -9,7 +9,7 @@ static cache length (CUDA-graph safe); each split finds its own key range from t
 that owns `pos` writes the new K/V into the cache and takes key `pos` from registers, so no launch orders the
 write. Every split (empty ones too) then counts itself in on the (row, kv head) arrival counter; the last one to
 arrive merges the splits' partial outputs by log-sum-exp, multiplies by sigmoid(gate) and writes the output
-(see `split_arrivals` for the counters' invariants).
+(`split_arrivals`, kernels/counters.py: the counters' invariants).
 Prefill (T > 1) is two launches: q/k norm + RoPE that also writes k and v into the cache, then a causal flash-
 attention kernel per (query block, q head) whose key loop stops at the block's last position and whose epilogue
 applies the gate. (The torch path's masked GQA SDPA falls back to the math backend over all S cache slots;
@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.counters import ArrivalCounters
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
 MAX_SPLITS = 128
@@ -291,22 +292,8 @@ def _prefill_config(D: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
 
 
-_arrivals = {}  # (device, size) -> int32 counters, one per (row, kv head); see split_arrivals
-
-
-def split_arrivals(n: int, device: torch.device) -> torch.Tensor:
-    """The decode kernel's arrival counters for n (row, kv head) pairs on `device`: zero between calls, one buffer
-    per (device, n), never freed. Invariants (tests/kernel_ops/test_attention.py checks the first two):
-    - zero between calls: the last split to arrive resets its counter, so no launch clears them;
-    - never freed or reallocated: a CUDA graph captured at one batch size keeps a valid pointer after calls at
-      another, so the first call at a size (it allocates) must come before any capture, like Triton's compile;
-    - launches that share a buffer (same device and size) are stream-ordered: two streams running decode steps
-      of the same shape at once would race on the counters (this process runs one decode loop at a time)."""
-    buf = _arrivals.get((device, n))
-    if buf is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
-        buf = _arrivals[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
+# the decode kernel's counters, one per (row, kv head): its last split to arrive merges (invariants: ArrivalCounters)
+split_arrivals = ArrivalCounters()
 
 
 def decode_attention_into(

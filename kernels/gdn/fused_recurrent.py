@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import ArrivalCounters
 from kernels.gdn.gates import gates
 
 
@@ -132,22 +133,8 @@ def _decode_kernel(
         tl.store(readers, 0)
 
 
-_readers = {}  # (device, size) -> int32 counters, one per (row, key head); see reader_counters
-
-
-def reader_counters(n: int, device: torch.device) -> torch.Tensor:
-    """The kernel's arrival counters for n (row, key head) pairs on `device`: zero between calls, one buffer per
-    (device, n), never freed. Invariants (tests/kernel_ops/test_gdn.py checks the first two):
-    - zero between calls: the last reader of each key head resets its counter, so no launch clears them;
-    - never freed or reallocated: a CUDA graph captured at one batch size keeps a valid pointer after calls at
-      another, so the first call at a size (it allocates) must come before any capture, like Triton's compile;
-    - launches that share a buffer (same device and size) are stream-ordered: two streams running decode steps
-      of the same shape at once would race on the counters (this process runs one decode loop at a time)."""
-    buf = _readers.get((device, n))
-    if buf is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
-        buf = _readers[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
+# one per (row, key head): the last reader of a key head's q/k channels writes them (invariants: ArrivalCounters)
+reader_counters = ArrivalCounters()
 
 
 def _rows(t: torch.Tensor) -> int:

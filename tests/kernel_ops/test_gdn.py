@@ -105,7 +105,7 @@ def test_decode(poison, B, dims):
     ref = run(naive, x_ref, dims["nk"])
     check(out, ref, x, x_ref, 1e-5, 1e-6)
     # the last reader of each key head's q/k conv channels resets its counter for the next call
-    assert not fused_recurrent._readers[(torch.device("cpu"), B * dims["nk"])].any()
+    assert not fused_recurrent.reader_counters.buffers[(torch.device("cpu"), B * dims["nk"])].any()
 
 
 @pytest.mark.parametrize(
