@@ -11,7 +11,7 @@ import torch
 from kernels.attention import naive
 from kernels.attention import triton as tri
 from qmoe.model import build_model
-from tests.helpers import poisoned, rel_err, tiny_config
+from tests.helpers import captured, poisoned, rel_err, tiny_config
 
 EPS = 1e-6
 # norm + RoPE round once where naive rounds after each op; decode attention casts p to the model dtype
@@ -314,10 +314,7 @@ def test_decode_attention_cuda_graph():
     of active splits (and the last split to arrive) changes from replay to replay."""
     x = make_layer(2, 1, 16, 2, 256, 64, 4096, [0, 0], torch.bfloat16, "cuda")
     fused = x["q"]._base  # the projection output the four views share
-    tri.gated_attention(**x, eps=EPS, scale=256**-0.5)  # compile and allocate the counters outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri.gated_attention(**x, eps=EPS, scale=256**-0.5)
+    graph, out = captured(lambda: tri.gated_attention(**x, eps=EPS, scale=256**-0.5))  # counters allocated before
     for step, context in enumerate([1, 64, 65, 3000]):
         fused.copy_(torch.randn(fused.shape, generator=torch.Generator().manual_seed(step)))
         x["positions"].copy_(torch.tensor([[context - 1], [context // 2]]))

@@ -7,7 +7,7 @@ import torch
 
 from kernels.linear import naive
 from kernels.linear import triton as lin
-from tests.helpers import poisoned, rel_err
+from tests.helpers import captured, poisoned, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -167,13 +167,7 @@ def test_split_k_cuda_graph_gpu(cfg):
     new inputs copied into the static x: bit-identical to eager, every replay."""
     x, w = make(8 if cfg["BLOCK_M"] > 1 else 1, 2048, 4096, torch.bfloat16, device="cuda")
     run = lambda: lin.linear_into(x, w, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device="cuda"), cfg)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = captured(run)
     for seed in range(3):
         x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()

@@ -6,7 +6,7 @@ import torch
 from kernels.moe import naive
 from kernels.moe import triton as moe
 from qmoe.model import build_model
-from tests.helpers import poisoned, rel_err, tiny_config
+from tests.helpers import captured, poisoned, rel_err, tiny_config
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # Small tiles keep the CPU interpreter fast; BLOCK_K / BLOCK_N below H and I so the K loop and N tiles both run.
@@ -413,14 +413,7 @@ def test_moe_block_cuda_graph_gpu(M):
     args = gpu_block(M, s, torch.bfloat16)
     x, proj = args[0], args[1]
     run = lambda: moe.moe_block(*args, s["K"])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = captured(run)
     for seed in range(3):
         fresh = gpu_block(M, s, torch.bfloat16, seed=seed + 1)
         x.copy_(fresh[0])

@@ -14,7 +14,7 @@ from scipy.stats import chi2
 
 from kernels.sampling import naive
 from kernels.sampling import triton as fused
-from tests.helpers import poisoned
+from tests.helpers import captured, poisoned
 
 # (temperature, top_k, top_p, min_p): each filter alone, combined, at their edges
 COMBOS = [
@@ -550,10 +550,7 @@ def test_gpu_cuda_graph_replay_with_new_parameters():
     temperature, top_k, top_p, min_p = (t.cuda() for t in params(B, 1.0, 50, 0.9, 0.0))
     seed, step = torch.full((B,), 7, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
     args = (logits, temperature, top_k, top_p, min_p, seed, step)
-    fused.sample(*args)  # warm-up (compilation) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused.sample(*args)
+    graph, out = captured(lambda: fused.sample(*args))
     for i in range(4):
         logits.copy_(llm_like_logits(B, V_FULL, "cuda", torch.float32, seed=i + 1))
         temperature.fill_([0.0, 0.5, 1.0, 1.5][i])
@@ -571,9 +568,7 @@ def test_gpu_cuda_graph_replay_with_new_parameters():
 def test_gpu_greedy_entry_point(B, dtype):
     logits = (llm_like_logits(B, V_FULL, "cuda", dtype) * 4).round()  # exact ties across chunks
     assert torch.equal(fused.greedy(logits), naive.greedy(logits))
-    graph, out = torch.cuda.CUDAGraph(), None
-    with torch.cuda.graph(graph):
-        out = fused.greedy(logits)
+    graph, out = captured(lambda: fused.greedy(logits))
     logits.copy_(llm_like_logits(B, V_FULL, "cuda", dtype, seed=5))
     logits[0, 7] = float("nan")
     graph.replay()
@@ -648,10 +643,7 @@ def test_gpu_cuda_graph_replay_radix_rows():
     temperature, top_k, top_p, min_p = (t.cuda() for t in params(B, 1.0, 50, 0.9, 0.0))
     seed, step = torch.full((B,), 7, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
     args = (logits, temperature, top_k, top_p, min_p, seed, step)
-    fused.sample(*args)  # warm-up (compilation) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused.sample(*args)
+    graph, out = captured(lambda: fused.sample(*args))
     for i in range(4):
         logits.copy_(torch.cat([family_logits(s, B // 3, V_FULL, seed=i + 1, device="cuda")[0] for s in shapes]))
         temperature.fill_([0.7, 1.0, 1.3, 1.0][i])
