@@ -37,6 +37,7 @@ from bench_gemv import SMOKE_SHAPES, fp32_reference, model_shapes, rel_err, rota
 from benchlib import time_calls  # noqa: E402
 
 from kernels.linear import triton as tri  # noqa: E402
+from kernels.tuned import gpu_config_path  # noqa: E402
 
 # tuned M -> the M buckets its config is stored for; M = 1 first (the headline), then by importance
 TUNE_M = {1: (1,), 8: (2, 4, 8, 16), 64: (64,), 32: (32,)}
@@ -114,7 +115,7 @@ def main():
     tune = {1: (1,), 5: (8,)} if args.smoke else TUNE_M
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     num_sms = 8 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
-    out = Path(args.out) if args.out else tri.gpu_config_path(gpu)
+    out = Path(args.out) if args.out else gpu_config_path(tri.CONFIG_DIR, gpu)
     table = json.loads(out.read_text()) if out.exists() else {}
     t0 = time.time()
     data = {}  # (N, K) -> (weight copies, x, fp32 reference of x @ w0^T)

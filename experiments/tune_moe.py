@@ -26,6 +26,7 @@ from bench_moe import SHAPES, SMOKE_SHAPES, make_inputs, time_eager  # noqa: E40
 from benchlib import time_calls  # noqa: E402
 
 from kernels.moe import triton as tri  # noqa: E402
+from kernels.tuned import gpu_config_path  # noqa: E402
 
 # tuned M -> the M buckets its config is stored for, most important first (the budget may cut the tail). Decode
 # kernels compile per M bucket (the pair and token blocks are powers of two >= M K and M).
@@ -103,7 +104,7 @@ def main():
     else:
         shapes, tune = {n: SHAPES[n] for n in args.shapes}, {**TUNE_DECODE, **(TUNE_PREFILL if args.prefill else {})}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else tri.gpu_config_path(gpu)
+    out = Path(args.out) if args.out else gpu_config_path(tri.CONFIG_DIR, gpu)
     table = json.loads(out.read_text()) if out.exists() else {}
     t0 = time.time()
     for name, s in shapes.items():

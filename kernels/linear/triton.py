@@ -22,9 +22,6 @@ time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an
 and one launch (two with split-K).
 """
 
-import json
-import os
-import re
 from pathlib import Path
 
 import torch
@@ -33,6 +30,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.tuned import load_table
 
 __all__ = ["linear"]
 
@@ -46,10 +44,6 @@ REDUCE_BLOCK = 1024
 # ----------------------------------------------------------------------------------------------- configs
 
 
-def gpu_config_path(device_name: str) -> Path:
-    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
-
-
 def shape_key(N: int, K: int, dtype: torch.dtype) -> str:
     return f"N{N}_K{K}_{str(dtype).removeprefix('torch.')}"
 
@@ -58,15 +52,7 @@ def m_bucket(M: int) -> int:
     return next(b for b in M_BUCKETS if b >= M)
 
 
-def load_table() -> dict:
-    """The tuned table for this process's GPU: {shape_key: {str(M bucket): config}}; empty -> defaults."""
-    if os.environ.get("QMOE_GEMV_DEFAULT_CONFIGS") == "1" or not torch.cuda.is_available():
-        return {}
-    path = gpu_config_path(torch.cuda.get_device_name())
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-CONFIG_TABLE = load_table()
+CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_GEMV_DEFAULT_CONFIGS")
 
 
 def default_config(M: int, N: int, K: int, num_sms: int) -> dict:

@@ -29,9 +29,6 @@ QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autot
 """
 
 import functools
-import json
-import os
-import re
 from pathlib import Path
 
 import torch
@@ -40,6 +37,7 @@ import triton.language as tl
 
 import kernels
 from kernels.moe.naive import shared_expert, split_projection
+from kernels.tuned import load_table
 
 __all__ = ["route", "fused_moe", "moe_block"]
 
@@ -69,10 +67,6 @@ RANK_CHUNK = 16  # tokens ranked per step in the decode up kernel: bounds its [t
 # ----------------------------------------------------------------------------------------------- configs
 
 
-def gpu_config_path(device_name: str) -> Path:
-    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
-
-
 def shape_key(E: int, H: int, I: int, dtype: torch.dtype) -> str:
     return f"E{E}_H{H}_I{I}_{str(dtype).removeprefix('torch.')}"
 
@@ -81,15 +75,7 @@ def m_bucket(M: int) -> int:
     return next((b for b in M_BUCKETS if b >= M), M_BUCKETS[-1])
 
 
-def load_table() -> dict:
-    """The tuned table for this process's GPU: {shape_key: {str(M bucket): config}}; empty -> defaults."""
-    if os.environ.get("QMOE_MOE_DEFAULT_CONFIGS") == "1" or not torch.cuda.is_available():
-        return {}
-    path = gpu_config_path(torch.cuda.get_device_name())
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-CONFIG_TABLE = load_table()
+CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_MOE_DEFAULT_CONFIGS")
 
 
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
