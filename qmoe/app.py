@@ -154,7 +154,7 @@ def planned_per_decode_token(program, methods: tuple[str, ...], batch: int) -> d
     """{direction: {count, bytes}} per generated token that the export plan moves in a decode step (T = 1):
     its copy nodes, or without device memory planning the delegate's own copies of every method input and
     output. What the plan moves on a GPU; on the CPU delegate the same nodes run and move nothing."""
-    from qmoe.export.passes import call_delegate, is_copy
+    from qmoe.export.passes import COPY_DIRECTIONS, call_delegate, is_copy
 
     out = {}
 
@@ -171,7 +171,7 @@ def planned_per_decode_token(program, methods: tuple[str, ...], batch: int) -> d
         graph = program.graphs[method].graph
         for node in graph.nodes:
             if is_copy(node):
-                add(node.name.split("_", 1)[0], node)
+                add(COPY_DIRECTIONS[node.target], node)
             elif node.op == "call_function" and node.target is call_delegate and node.meta["qmoe_self_copies"]:
                 for arg in node.args:
                     add("h2d", arg)
