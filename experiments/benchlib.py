@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from qmoe.metrics import measure
 from qmoe.metrics.measure import environment
 
 L2_FLUSH_BYTES = 200 * 2**20  # > 3x the H200's 50 MB L2: inputs rotated over this many bytes come from HBM
@@ -54,17 +55,8 @@ def event_median_us(run, reps: int) -> float:
 
 
 def copy_bandwidth_gbs(device: str) -> float:
-    """Device copy ceiling: a 1 GiB copy (16 MiB on CPU smoke runs), read + write bytes. Timed eagerly: inside a
-    CUDA graph a plain copy becomes a memcpy node that the copy engines serve, at about 2/3 of the SMs' rate."""
-    nbytes = 2**30 if device == "cuda" else 2**24
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    if device != "cuda":
-        us, _ = time_calls(lambda i: dst.copy_(src), 1, device, reps=10)
-    else:
-        dst.copy_(src)
-        us = event_median_us(lambda: dst.copy_(src), reps=20)
-    return 2 * nbytes / us / 1e3
+    """Device copy ceiling: a 1 GiB copy (16 MiB on CPU smoke runs), read + write bytes (qmoe.metrics.measure)."""
+    return measure.copy_bandwidth_gbs(torch.device(device), 2**30 if device == "cuda" else 2**24, reps=20)
 
 
 def gemm_tflops(device: str) -> float:
