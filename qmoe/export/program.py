@@ -119,7 +119,8 @@ class Delegate:
                 self.user_outputs.append(i)
             else:
                 raise ExportError(f"method {method}: unsupported exported output kind {spec.kind.name}")
-        self.graph_module_in_place, self.in_place = outputs_in_place(self.graph_module, self.user_outputs)
+        # which outputs are written in place needs no record: Method compares each output with its buffer
+        self.graph_module_in_place, _ = outputs_in_place(self.graph_module, self.user_outputs)
 
     def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         user = iter(inputs)
