@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
-# Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, tune_gemv, bench_gemv, bench_sampling, bench_gdn,
-#         bench_attention, bench_norm, bench_checkpoint, runtime, e2e.
+# Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
+#         bench_sampling, bench_gdn, bench_attention, bench_norm, bench_checkpoint, runtime, e2e, pdl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -30,6 +30,7 @@ for stage in "$@"; do
   case $stage in
     env) run_stage env python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
     gpu_tests) run_stage gpu_tests python3 -m pytest -q -m gpu -n 8 --timeout 400 -p no:cacheprovider tests ;;
+    kernel_tests) run_stage kernel_tests python3 -m pytest -q -m gpu -n 8 --timeout 300 -p no:cacheprovider tests/kernel_ops ;;
     hf_import) run_stage hf_import python3 -c "import traceback
 from qmoe.model.hf import transformers_qwen35_moe
 try:
@@ -51,6 +52,7 @@ except Exception as e:
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
+    pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done

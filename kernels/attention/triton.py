@@ -28,6 +28,7 @@ import triton.language as tl
 
 import kernels
 from kernels.counters import ArrivalCounters
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
 MAX_SPLITS = 128
@@ -118,8 +119,10 @@ def _decode_kernel(
     stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_pb,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,19 +152,22 @@ def _decode_kernel(
             tl.store(k_cache_row + pos * stride_kcs + d, k_new, mask=d_ok)
             tl.store(v_cache_row + pos * stride_vcs + d, v_new, mask=d_ok)
 
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        # Key `pos` comes from registers, not the cache (no launch orders the cache write before the reads): the
+        # split that owns it starts the softmax with it, the tiles then read only keys < pos straight into the
+        # dots (no select on the tiles, which would hold them in registers).
+        owns_new = end == pos + 1
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
+        m = tl.where(owns_new, s_new, float("-inf"))
+        l = tl.where(owns_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+        acc = l[:, None] * v_new.to(tl.float32)[None, :]  # [BLOCK_G, BLOCK_D]
+        last = tl.minimum(end, pos)  # keys start .. last - 1 from the cache
+        for n0 in range(start, last, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            old = (n < pos)[:, None] & d_ok[None, :]  # key `pos` comes from registers, not the cache
-            is_new = (n == pos)[:, None]
+            old = (n < last)[:, None] & d_ok[None, :]
             k = tl.load(k_cache_row + n[:, None] * stride_kcs + d[None, :], mask=old, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache_row + n[:, None] * stride_vcs + d[None, :], mask=old, other=0.0)
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
-            s = tl.where((n < end)[None, :], s, float("-inf"))
+            s = tl.where((n < last)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -316,7 +322,7 @@ def decode_attention_into(
         q.stride(0), q.stride(2), gate.stride(0), gate.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0),
-        HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits,
+        HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits, PDL=pdl(q), launch_pdl=pdl(q),
         **_decode_config(G, D, splits, k_cache.dtype),
     )  # fmt: skip
 

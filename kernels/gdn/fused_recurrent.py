@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels.counters import ArrivalCounters
 from kernels.gdn.gates import gates
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
 @triton.jit
@@ -83,7 +84,10 @@ def _decode_kernel(
     KP: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     hk = h // G
     NV = NK * G
@@ -161,6 +165,6 @@ def gated_delta_net_decode(
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, readers, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV,
-        num_warps=8 if BK * BV >= 128 * 64 else 4,
+        PDL=pdl(mixed_qkv), launch_pdl=pdl(mixed_qkv), num_warps=8 if BK * BV >= 128 * 64 else 4,
     )  # fmt: skip
     return out

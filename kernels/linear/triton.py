@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
 __all__ = ["linear"]
@@ -130,8 +131,9 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr,
+    PARTIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -147,8 +149,22 @@ def _linear_kernel(
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k  # [BLOCK_K]
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
+        # The first K block is peeled: its weight tile loads before the wait (weights are never written), so
+        # under PDL it streams while the previous kernel finishes. Every split has at least one K block.
+        k_mask = offs_k < K
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        wait_for_producers(PDL)
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs)
@@ -163,6 +179,7 @@ def _linear_kernel(
         offs_out = pid_m * N + offs_n
         mask = offs_n < N
     else:
+        wait_for_producers(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm
         x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -192,8 +209,10 @@ def _linear_kernel(
 
 
 @triton.jit
-def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr):
+def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[i] = sum over s = 0, 1, ..., SPLIT - 1 of ws[s, i], in that order, rounded once to out's dtype."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -227,13 +246,20 @@ def linear_into(x, weight, out, config=None, workspace=None) -> torch.Tensor:
     grid, split, k_per_split, meta = (
         cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(M, N, K, config)
     )
+    on = pdl(x)
     if split == 1:
-        _linear_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), k_per_split, 1, **meta)
+        _linear_kernel[grid](
+            x, weight, out, M, N, K, x.stride(0), weight.stride(0), k_per_split, 1, PDL=on, launch_pdl=on, **meta
+        )
         return out
     if workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    _linear_kernel[grid](x, weight, workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split, **meta)
-    _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](workspace, out, M * N, split, BLOCK=REDUCE_BLOCK)
+    _linear_kernel[grid](
+        x, weight, workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split, PDL=on, launch_pdl=on, **meta
+    )
+    _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+        workspace, out, M * N, split, BLOCK=REDUCE_BLOCK, PDL=on, launch_pdl=on
+    )
     return out
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 import kernels
 from kernels.moe.naive import shared_expert, split_projection
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
 __all__ = ["route", "fused_moe", "moe_block"]
@@ -297,7 +298,10 @@ def _moe_up_decode_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr,
     BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     # Axis 0 walks N tiles of one expert, so neighbouring programs share the logits and activations in L2.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.program_id(1)
@@ -345,8 +349,10 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -441,16 +447,17 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = triton.cdiv(H, down["BLOCK_N"])
+    on = pdl(x)
     _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), E)](
         x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters,
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
-        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, **up,
+        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
         h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(),
         TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), P_BLOCK=max(16, triton.next_power_of_2(P)),
-        BLOCK_M=block_m, **down,
+        BLOCK_M=block_m, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return out
 
@@ -462,11 +469,13 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
 def _moe_up_gemv_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
     reduction after the loop. Every program ranks the E logits itself (no launch for routing)."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
     k = tl.program_id(1)
     top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
@@ -506,12 +515,14 @@ def _moe_up_gemv_kernel(
 @triton.jit
 def _moe_down_gemv_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, I_MAX, stride_pe,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
     registers: no partials, no counters, no atomics, bit-reproducible."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
@@ -551,13 +562,15 @@ def moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch) -
     IS = shared_down_proj.shape[1]
     up, down = config["up"], config["down"]
     block_top = triton.next_power_of_2(top_k)
+    on = pdl(x)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
         x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1),
-        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0, **up,
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        max(I, IS), proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, **down,
+        max(I, IS), proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]
 

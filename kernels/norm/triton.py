@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -37,10 +38,14 @@ def _rms_norm_kernel(
     N,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    wait_for_producers(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -48,7 +53,6 @@ def _rms_norm_kernel(
         tl.store(hidden_ptr + row * N + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (xf * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -72,9 +76,11 @@ def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     """out (contiguous, x's shape) = rms_norm(x, weight, eps)."""
     x2 = _rows(x)
     block, warps = _launch_config(x2.shape[1])
+    on = pdl(x2)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, x2, weight, out, out, x2.stride(0), 0, eps, x2.shape[1], HAS_RESIDUAL=False, BLOCK=block, num_warps=warps
-    )
+        x2, x2, weight, out, out, x2.stride(0), 0, eps, x2.shape[1],
+        HAS_RESIDUAL=False, BLOCK=block, PDL=on, launch_pdl=on, num_warps=warps,
+    )  # fmt: skip
 
 
 def add_rms_norm_into(
@@ -95,6 +101,8 @@ def add_rms_norm_into(
         x2.shape[1],
         HAS_RESIDUAL=True,
         BLOCK=block,
+        PDL=pdl(x2),
+        launch_pdl=pdl(x2),
         num_warps=warps,
     )
 
