@@ -2,7 +2,7 @@
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
-#         bench_sampling, bench_gdn, bench_attention, bench_norm, bench_checkpoint, runtime, e2e, pdl.
+#         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, runtime, e2e, pdl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -47,6 +47,7 @@ except Exception as e:
     bench_gemv) run_stage bench_gemv python3 experiments/bench_gemv.py ;;
     bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py ;;
     bench_gdn) run_stage bench_gdn python3 experiments/bench_gdn.py ;;
+    tune_attention) run_stage tune_attention python3 experiments/tune_attention.py ;;
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;
     bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;

@@ -303,12 +303,28 @@ split_arrivals = ArrivalCounters()
 
 
 def decode_attention_into(
-    q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, o_part, lse_part
+    q,
+    gate,
+    k,
+    v,
+    q_weight,
+    k_weight,
+    k_cache,
+    v_cache,
+    positions,
+    inv_freq,
+    eps,
+    scale,
+    out,
+    o_part,
+    lse_part,
+    options=None,
 ) -> None:
     """One query token per row (T == 1), one launch: norm + RoPE q and k, write k/v into the caches at
     positions[:, 0], attend over keys 0..pos, times sigmoid(gate) -> out [B, 1, HQ * D] (contiguous).
     q, gate [B, 1, HQ, D] and k, v [B, 1, HKV, D] may be strided views (head dim contiguous). o_part
-    [B, HQ, splits, D] and lse_part [B, HQ, splits] (fp32) are the split-K workspace; splits = o_part.shape[2]."""
+    [B, HQ, splits, D] and lse_part [B, HQ, splits] (fp32) are the split-K workspace; splits = o_part.shape[2].
+    options: launch options over _decode_config's (BLOCK_N, num_warps, num_stages; the tuner's candidates)."""
     B, _, HQ, D = q.shape
     HKV = k_cache.shape[1]
     splits = o_part.shape[2]
@@ -323,7 +339,7 @@ def decode_attention_into(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0),
         HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits, PDL=pdl(q), launch_pdl=pdl(q),
-        **_decode_config(G, D, splits, k_cache.dtype),
+        **{**_decode_config(G, D, splits, k_cache.dtype), **(options or {})},
     )  # fmt: skip
 
 

@@ -1,14 +1,19 @@
 """The whole DeltaNet decode step (T == 1) in one kernel: conv state update + SiLU, q/k L2 norm, gates,
 fp32 delta-rule state update (state read once, written once), output and gated RMSNorm * silu(z).
 
-One program per (batch row, value head): one full [dk, dv] fp32 state tile each (B * nv programs, 32 at
-batch 1 for the 35B-A3B), which also keeps a whole value-head row in one program for the norm.
+Programs (batch row, value head, value split): each owns a [dk, dv / SV] column block of the head's fp32 state
+(the delta rule updates the state's value columns independently), so a batch-1 step of the 35B-A3B runs 32 * 4
+programs instead of 32 (one program pulls only so many bytes per microsecond). The gated RMSNorm needs the whole
+value-head row: with SV > 1 each program stores its slice of o (rounded to the activation dtype, as the reference
+rounds it) into `out` and its sum of squares into a scratch, then arrives on the (row, value head) counter; the
+last of the SV to arrive adds the SV sums in split order, normalises the row in place, gates it with silu(z) and
+resets the counter (`norm_arrivals`).
 
 The conv state is updated in place with no grid-wide barrier. A value head's v channels have one reader
 and writer: its own program. The q/k channels of key head hk are read by its G = nv / nk value-head
-programs, so they are written only by the LAST of them to have read: each program reads all its old
-conv slots, syncs its threads (every read done), then counts itself in with an acq_rel atomic on the
-(row, key head) counter; the program that gets G - 1 has acquired every other reader's release, so all
+programs (G * SV with value splits), so they are written only by the LAST of them to have read: each program
+reads all its old conv slots, syncs its threads (every read done), then counts itself in with an acq_rel atomic
+on the (row, key head) counter; the program that gets G * SV - 1 has acquired every other reader's release, so all
 reads of those channels happen before its write. It resets the counter to 0 for the next call (calls
 are stream ordered, as in a CUDA graph). No program waits on another, so any launch order is safe."""
 
@@ -68,6 +73,8 @@ def _decode_kernel(
     conv_ptr,  # [B, C, KW-1], updated in place
     state_ptr,  # [B, NV, DK, DV] fp32, updated in place
     readers_ptr,  # [B*NK] int32 zeros: programs that have read a key head's q/k conv state; left at 0
+    norm_arrivals_ptr,  # [B*NV] int32 zeros: value splits of a head done with their slice of o; left at 0
+    sumsq_ptr,  # [B*NV*SV] fp32 scratch: each value split's sum of o^2
     out_ptr,  # [B, NV*DV]
     C,
     stride_x,
@@ -83,17 +90,18 @@ def _decode_kernel(
     KW: tl.constexpr,
     KP: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr,  # the value columns of one program: next_power_of_2(DV) // SV
+    SV: tl.constexpr,  # value splits per head
     PDL: tl.constexpr,
 ):
     allow_dependents(PDL)
     wait_for_producers(PDL)
-    b, h = tl.program_id(0), tl.program_id(1)
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // G
     NV = NK * G
     dtype = out_ptr.dtype.element_ty
     x_row, conv_row = x_ptr + b * stride_x, conv_ptr + b * C * (KW - 1)
-    ik, iv = tl.arange(0, BK), tl.arange(0, BV)
+    ik, iv = tl.arange(0, BK), split * BV + tl.arange(0, BV)
     mk, mv = ik < DK, iv < DV
     q_ch, k_ch, v_ch = hk * DK + ik, (NK + hk) * DK + ik, 2 * NK * DK + h * DV + iv
 
@@ -125,13 +133,33 @@ def _decode_kernel(
 
     # gated RMSNorm over the value-head row, with the reference's roundings to the activation dtype
     o = o.to(dtype).to(tl.float32)
-    y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype)
-    out = (norm_w * y).to(tl.float32) * z * tl.sigmoid(z)
-    tl.store(out_ptr + b * NV * DV + h * DV + iv, out.to(dtype), mask=mv)
+    out_row = out_ptr + b * NV * DV + h * DV
+    if SV == 1:
+        y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype)
+        out = (norm_w * y).to(tl.float32) * z * tl.sigmoid(z)
+        tl.store(out_row + iv, out.to(dtype), mask=mv)
+    else:
+        head = b * NV + h
+        tl.store(out_row + iv, o.to(dtype), mask=mv)  # exact: o is already rounded to dtype
+        tl.store(sumsq_ptr + head * SV + split, tl.sum(o * o, axis=0))
+        tl.debug_barrier()  # every thread's stores before the release (made by one thread)
+        done = tl.atomic_add(norm_arrivals_ptr + head, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done == SV - 1:  # the last split of the head: every slice and sum is visible
+            sumsq = tl.sum(tl.load(sumsq_ptr + head * SV + tl.arange(0, SV), cache_modifier=".cg"), axis=0)
+            row = tl.arange(0, BV * SV)
+            row_ok = row < DV
+            o_row = tl.load(out_row + row, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = (o_row * tl.rsqrt(sumsq / DV + eps)).to(dtype)
+            z_row = tl.load(z_ptr + b * stride_z + h * DV + row, mask=row_ok, other=0.0).to(tl.float32)
+            w_row = tl.load(norm_w_ptr + row, mask=row_ok, other=0.0)
+            out = (w_row * y).to(tl.float32) * z_row * tl.sigmoid(z_row)
+            tl.store(out_row + row, out.to(dtype), mask=row_ok)
+            tl.store(norm_arrivals_ptr + head, 0)
 
     # the last reader of the key head's q/k channels writes their new state and resets the counter
     tl.debug_barrier()  # every thread's writes after the acquire (made by one thread)
-    if earlier == G - 1:
+    if earlier == G * SV - 1:
         _conv_write(conv_row, q_ch, mk, q_shifted, q_x, KW, KP)
         _conv_write(conv_row, k_ch, mk, k_shifted, k_x, KW, KP)
         tl.store(readers, 0)
@@ -139,6 +167,18 @@ def _decode_kernel(
 
 # one per (row, key head): the last reader of a key head's q/k channels writes them (invariants: ArrivalCounters)
 reader_counters = ArrivalCounters()
+# one per (row, value head): the last value split to arrive normalises the head's row
+norm_arrivals = ArrivalCounters()
+
+
+def value_splits(B: int, nv: int, dv: int, device: torch.device) -> int:
+    """Value splits per head: doubled while the grid has fewer programs than SMs and each split keeps >= 32
+    columns (a split's state tile stays a few KiB of 16-byte loads)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    splits = 1
+    while B * nv * splits < sms and triton.next_power_of_2(dv) // (2 * splits) >= 32:
+        splits *= 2
+    return splits
 
 
 def _rows(t: torch.Tensor) -> int:
@@ -148,23 +188,40 @@ def _rows(t: torch.Tensor) -> int:
 
 
 def gated_delta_net_decode(
-    mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
+    mixed_qkv,
+    z,
+    a,
+    b,
+    conv_weight,
+    A_log,
+    dt_bias,
+    norm_weight,
+    conv_state,
+    recurrent_state,
+    num_k_heads,
+    eps,
+    splits=None,
 ) -> torch.Tensor:
     """naive.gated_delta_net for T == 1 as one kernel launch; same arguments, same in-place state updates.
-    mixed_qkv, z, a and b may be row-strided views (the fused in_proj's slices): read in place, never copied."""
+    mixed_qkv, z, a and b may be row-strided views (the fused in_proj's slices): read in place, never copied.
+    splits: value splits per head (a power of two; value_splits() when None; tests pin it)."""
     B, T, C = mixed_qkv.shape
     assert T == 1
     nv, dk, dv = recurrent_state.shape[1:]
     nk = num_k_heads
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and recurrent_state.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    readers = reader_counters(B * nk, mixed_qkv.device)
-    BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    device = mixed_qkv.device
+    splits = splits or value_splits(B, nv, dv, device)
+    BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv) // splits
+    assert BV >= 1 and BV * splits == triton.next_power_of_2(dv), "splits: a power of two up to the value head dim"
+    sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
     kw = conv_weight.shape[-1]
-    _decode_kernel[(B, nv)](
-        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, readers, out,
+    _decode_kernel[(B, nv, splits)](
+        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
+        reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
         PDL=pdl(mixed_qkv), launch_pdl=pdl(mixed_qkv), num_warps=8 if BK * BV >= 128 * 64 else 4,
     )  # fmt: skip
     return out

@@ -98,14 +98,26 @@ def test_causal_conv1d(poison, B, T, C, kw):
         dict(nk=1, nv=4, dk=16, dv=16),  # 4 programs read one key head's q/k conv channels, one writes them
     ],
 )
-def test_decode(poison, B, dims):
+@pytest.mark.parametrize(
+    "splits",
+    [
+        1,  # one program per value head: the norm in registers
+        2,  # two column blocks per head: the last to arrive normalises the row (dv = 12: the second block is short)
+        None,  # value_splits' choice for the grid
+    ],
+)
+def test_decode(poison, B, dims, splits):
     x = make_inputs(B, 1, **dims)
     x_ref = clone(x)
-    out = run(gdn_triton, x, dims["nk"])
+    out = fused_recurrent.gated_delta_net_decode(**x, num_k_heads=dims["nk"], eps=1e-6, splits=splits)
     ref = run(naive, x_ref, dims["nk"])
     check(out, ref, x, x_ref, 1e-5, 1e-6)
-    # the last reader of each key head's q/k conv channels resets its counter for the next call
-    assert not fused_recurrent.reader_counters.buffers[(torch.device("cpu"), B * dims["nk"])].any()
+    # the last reader of each key head's q/k conv channels, and the last split of each value head, reset their
+    # counters for the next call
+    cpu = torch.device("cpu")
+    assert not fused_recurrent.reader_counters.buffers[(cpu, B * dims["nk"])].any()
+    if (cpu, B * dims["nv"]) in fused_recurrent.norm_arrivals.buffers:
+        assert not fused_recurrent.norm_arrivals.buffers[(cpu, B * dims["nv"])].any()
 
 
 @pytest.mark.parametrize(
