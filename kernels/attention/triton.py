@@ -31,10 +31,9 @@ from kernels.counters import ArrivalCounters
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
-MAX_SPLITS = 128
-# A K or V tile row (head block x element size) above this many bytes halves the tile bytes in flight:
-# fp32 at head dim 256 would need 272 KiB (decode) / 208 KiB (prefill) of shared memory with the
-# 16-bit configs, over or near the H200's 227 KiB.
+MAX_SPLITS = 64  # experiments/tune_attention.py: 64 splits of 8 warps beat 128 of 4 at every context, 256 to 32k
+# A K or V tile row (head block x element size) above this many bytes halves the prefill tile: fp32 at head
+# dim 256 would need 208 KiB of shared memory with the 16-bit config, near the H200's 227 KiB.
 WIDE_ROW_BYTES = 512
 REDUCE_TILE = 8192  # elements of the [heads, splits, head dim] partial tile the last split merges per step
 
@@ -277,17 +276,16 @@ def num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) 
 
 @functools.cache
 def _decode_config(G: int, D: int, splits: int, dtype: torch.dtype) -> dict:
-    """Launch options of the decode kernel: wide rows (fp32 at head dim 256) drop the second pipeline stage, so
-    K and V tiles (64 KiB each) are single-buffered; the merge reads [heads, splits, D] partial tiles of at most
-    REDUCE_TILE elements."""
+    """Launch options of the decode kernel (experiments/tune_attention.py, H200, bf16 at 35B dims: 8 warps, one
+    stage; a second stage won nothing and would not fit fp32 tiles at head dim 256); the merge reads [heads,
+    splits, D] partial tiles of at most REDUCE_TILE elements."""
     block_d = max(triton.next_power_of_2(D), 16)  # tl.dot needs every dim >= 16
-    wide = block_d * dtype.itemsize > WIDE_ROW_BYTES
     reduce_g = triton.next_power_of_2(G)
     reduce_s = max(1, min(triton.next_power_of_2(splits), REDUCE_TILE // (reduce_g * block_d)))
     return dict(
         BLOCK_G=max(triton.next_power_of_2(G), 16), BLOCK_D=block_d, BLOCK_N=BLOCK_N, REDUCE_G=reduce_g,
         REDUCE_S=reduce_s, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1 if wide else 2,
+        num_warps=8, num_stages=1,
     )  # fmt: skip
 
 

@@ -99,20 +99,31 @@ def _order_key(logits):
 
 
 @triton.jit
+def _key_value(key):
+    """The fp32 whose _order_key is `key`."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's top-k experts (descending logit, ties to the lower id) and their softmax probabilities
     renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0."""
     offs_e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0).to(tl.float32)
     keys = tl.where(offs_e < E, _order_key(logits), -2147483648)  # padding below every real key
+    # One int64 per expert, the order key above its inverted id: one max per k finds the largest logit and,
+    # among equal keys, the lower id (an argmax and a second reduction for the value cost twice as long).
+    packed = keys.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e)
+    floor = packed * 0 + -2147483648 * 4294967296  # the padding key's: a taken expert drops to it
     offs_k = tl.arange(0, BLOCK_TOP)
     ids = tl.zeros([BLOCK_TOP], tl.int32)
     top = tl.full([BLOCK_TOP], float("-inf"), tl.float32)
-    for k in tl.static_range(TOP_K):  # repeated argmax; a taken expert drops to the padding key
-        idx = tl.argmax(keys, 0)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(packed, 0)
+        idx = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32)
         ids = tl.where(offs_k == k, idx, ids)
-        top = tl.where(offs_k == k, tl.sum(tl.where(offs_e == idx, logits, 0.0), 0), top)
-        keys = tl.where(offs_e == idx, -2147483648, keys)
+        top = tl.where(offs_k == k, _key_value((best >> 32).to(tl.int32)), top)
+        packed = tl.where(offs_e == idx, floor, packed)
     # softmax over all E, renormalised over the top k: the full denominator cancels, exp(l - l_max) stays
     probs = tl.exp(top - tl.max(top, 0))  # lanes >= TOP_K: exp(-inf) = 0
     return ids, probs / tl.sum(probs, 0)
@@ -514,25 +525,28 @@ def _moe_up_gemv_kernel(
 
 @triton.jit
 def _moe_down_gemv_kernel(
-    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, I_MAX, stride_pe,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
-    registers: no partials, no counters, no atomics, bit-reproducible."""
+    registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
+    load before the wait (weights: under PDL they stream while the up kernel finishes)."""
     allow_dependents(PDL)
-    wait_for_producers(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < IS
+    ws = tl.load(shared_down_ptr + (rows * IS)[:, None] + offs_s[None, :], mask=s_mask[None, :], other=0.0)
+    wait_for_producers(PDL)
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
-    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
-    s_ptrs = shared_down_ptr + (rows * IS)[:, None]  # [N, 1]
     acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
-    acc_shared = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, I_MAX, BLOCK_K):  # I_MAX = max(I, Is)
+    for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
         w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
@@ -540,14 +554,12 @@ def _moe_down_gemv_kernel(
             h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
         )
         acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
-        # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
-        s_mask = offs_k < IS
-        ws = tl.load(s_ptrs + offs_k[None, :], mask=s_mask[None, :], other=0.0)
-        gate = tl.load(proj_ptr + (E + offs_k) * stride_pe, mask=s_mask, other=0.0)
-        up = tl.load(proj_ptr + (E + IS + offs_k) * stride_pe, mask=s_mask, other=0.0)
-        gate = gate.to(tl.float32)
-        a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
-        acc_shared += tl.sum(ws.to(tl.float32) * a_shared[None, :], 1)
+    # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
+    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    gate = gate.to(tl.float32)
+    a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
+    acc_shared = tl.sum(ws.to(tl.float32) * a_shared[None, :], 1)
     weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
     scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
@@ -570,7 +582,8 @@ def moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch) -
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        max(I, IS), proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, PDL=on, launch_pdl=on, **down,
+        proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS), PDL=on,
+        launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]
 
