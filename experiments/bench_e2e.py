@@ -189,7 +189,8 @@ def kernel_parts(trace_path: Path) -> dict:
 def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
     """One eager decode step (forward + greedy sample) on `groups`, profiled: CUDA kernels per step and GPU
     time, bytes and GB/s per part (results/profile_decode.{txt,json}); plus host µs per op call of each group
-    over a few unprofiled steps. On CPU (smoke) only the host side."""
+    over a few unprofiled steps. On CPU (smoke) only the host side. The profiled step launches without PDL
+    (QMOE_PDL=0): with it, a kernel's span includes its wait for the previous one, so the parts would overlap."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -225,9 +226,12 @@ def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
         meter.clear()
         for wrapper in model.ops.values():
             wrapper.calls = []
+        os.environ["QMOE_PDL"] = "0"
+        step()  # the variant without PDL compiles outside the profile
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        os.environ.pop("QMOE_PDL")
         for g, wrapper in model.ops.items():
             meter[g]["bytes"] = sum(bytes_moved(g, *call) for call in wrapper.calls)
         trace = out_dir / "profile_decode_trace.json"
@@ -274,6 +278,7 @@ def main():
     parser.add_argument("--out", default="results/bench_e2e.json")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with the host runner")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--profile-only", action="store_true", help="only the profiled decode step")
     args = parser.parse_args()
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -296,6 +301,13 @@ def main():
     rows: list[dict] = []
     targets: list[dict] = []
     extra: dict = {"weights": weight_memory(model)}
+    if args.profile_only:
+        model.setup_caches(1, model.max_seq_len)
+        prof = profile_decode(model, prompts[0], out_dir, groups)
+        for part, p in prof.get("parts", {}).items():
+            print(f"gpu  {part:<30} {p['kernels']:>4} kernels {p['us']:>8.1f} us")
+        print(f"kernels per step {prof.get('launches_per_step')}, GPU us per step {prof.get('gpu_us_per_step')}")
+        return
 
     def save():  # after every row: a run cut short keeps what it measured
         write_json(

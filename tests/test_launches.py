@@ -3,8 +3,8 @@
 A launch is a Triton kernel launch (counted at the JIT function's `run`) or an aten op that launches a device
 kernel (a TorchDispatchMode sees every aten op, also inside custom ops; views, allocations and metadata launch
 nothing). Each launch is charged to the op group (`model.ops[group]`) whose function was running, or to `model`
-for the model's own glue. The issue's target: <= 8 launches per layer + O(1), the MoE block counted as its
-linear + 2.
+for the model's own glue. The issue's target: <= 8 launches per layer + O(1); the model takes 6 (the MoE block
+counted as its linear + 2).
 """
 
 from collections import Counter
@@ -23,16 +23,17 @@ TRITON_KERNELS = yaml.safe_load((Path(__file__).parents[1] / "configs/kernels/tr
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "detach"}
 NO_KERNEL |= {"_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "lift_fresh", "alias"}
 
-# Launches per layer of each op group in a decode step. linear: the mixer's fused in-projection, its
-# out-projection and the MoE block's fused in-projection; norm: the two add + RMSNorm; the mixer (gdn or
-# attention) one launch each.
-PER_LAYER = {"linear": 3, "norm": 2, "mixer": 1}
+# Launches per layer of each op group in a decode step. linear: the mixer's fused in-projection and the MoE
+# block's fused in-projection, each with the add + RMSNorm before it in its prologue, and the mixer's
+# out-projection; the mixer (gdn or attention) one launch each; no separate norm.
+PER_LAYER = {"linear": 3, "norm": 0, "mixer": 1}
 # The MoE block after its in-projection: routing, shared expert and combine fused into the two expert kernels.
 MOE_LAUNCHES = 2
-# Per step: the model's glue (embedding, positions = input_pos + arange, the logits' fp32 cast), the embedding's
-# RMSNorm, lm_head, and sampling: a greedy run (temperature 0, the default) takes the sampler's two-launch argmax.
-PER_STEP = {"model": 4, "norm": 1, "linear": 1, "sampling": 2}
-PER_LAYER_LIMIT, PER_STEP_LIMIT = 8, 12
+# Per step: the model's glue (embedding, the empty residual stream, positions = input_pos + arange, the logits'
+# fp32 cast), the final add + RMSNorm, lm_head, and sampling: a greedy run (temperature 0, the default) takes the
+# sampler's two-launch argmax.
+PER_STEP = {"model": 5, "norm": 1, "linear": 1, "sampling": 2}
+PER_LAYER_LIMIT, PER_STEP_LIMIT = 6, 12
 
 
 def launches_kernel(func) -> bool:
@@ -142,7 +143,7 @@ def test_decode_step_launches_by_group(counter, B):
     assert counts["linear"] == PER_LAYER["linear"] * L + PER_STEP["linear"], report
     assert counts["moe"] == MOE_LAUNCHES * L, report
     assert counts["sampling"] == PER_STEP["sampling"], report
-    total = sum(counts.values())  # the issue's measure: <= 8 per layer + O(1)
+    total = sum(counts.values())  # the issue's measure (<= 8 per layer + O(1)); this model's budget: 6
     assert total <= PER_LAYER_LIMIT * L + PER_STEP_LIMIT, f"{total} launches; {report}"
 
 

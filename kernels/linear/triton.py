@@ -30,10 +30,11 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_out", "add_rms_norm_linear"]
 
 MAX_M = 64  # rows up to which the Triton kernel runs; F.linear (cuBLAS) above
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -127,12 +128,49 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 # ----------------------------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) of rows [R] of h = x + residual (rounded to x's dtype as the norm kernel rounds it)
+    -> [R] fp32. The whole row is read by every program (K of a few thousand: from L2)."""
+    acc = tl.zeros((rows.shape[0], BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        m = row_mask[:, None] & (offs < K)[None, :]
+        h = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=m, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + offs[None, :], mask=m, other=0.0)
+        hf = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype).to(tl.float32)
+        acc += hf * hf
+    return tl.rsqrt(tl.sum(acc, axis=1) / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm,
+                 rstd, write):  # fmt: skip
+    """The [R, BLOCK_K] tile of normed = rms_norm(x + residual) * (1 + w) in x's dtype (norm.naive's roundings);
+    where `write`, also stores it and the new residual x + residual into normed / hidden ([M, K], contiguous)."""
+    m = row_mask[:, None] & (offs_k < K)[None, :]
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
+    r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=m, other=0.0)
+    h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    w = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    normed = (h.to(tl.float32) * rstd[:, None] * (1.0 + w[None, :])).to(h.dtype)
+    if write:
+        out_offs = rows[:, None] * K + offs_k[None, :]
+        tl.store(normed_ptr + out_offs, normed, mask=m)
+        tl.store(hidden_ptr + out_offs, h, mask=m)
+    return normed
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split, SPLIT,
+    res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """out = x @ w^T; with NORM, x is first replaced by rms_norm(x + residual) * (1 + nw) (the add + RMSNorm
+    before a projection, fused into its prologue: each program computes its rows' rstd, the programs of the
+    first N tile also write normed and the new residual for the layer's other readers)."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -146,33 +184,46 @@ def _linear_kernel(
     offs_k = k_start + tl.arange(0, BLOCK_K)
     # Rows past N re-read row N - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < M
+    x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # [BLOCK_M]; rows past M re-read row M - 1
+    write_normed = pid_n == 0
     if BLOCK_M == 1:
-        x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k  # [BLOCK_K]
+        x_ptrs = x_ptr + x_rows * stride_xm + offs_k[None, :]  # [1, BLOCK_K]
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         # The first K block is peeled: its weight tile loads before the wait (weights are never written), so
         # under PDL it streams while the previous kernel finishes. Every split has at least one K block.
-        k_mask = offs_k < K
+        k_mask = offs_k[None, :] < K
         if EVEN_K:
             w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
         wait_for_producers(PDL)
-        if EVEN_K:
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
+            x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, offs_k, K,
+                             stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
+        elif EVEN_K:
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            k_mask = (k + tl.arange(0, BLOCK_K) < K)[None, :]
             if EVEN_K:
                 w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            if NORM:
+                x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask,
+                                 k + tl.arange(0, BLOCK_K), K, stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
+            elif EVEN_K:
                 x = tl.load(x_ptrs)
             else:
-                k_mask = k + tl.arange(0, BLOCK_K) < K
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)  # [BLOCK_N]: one reduction over K, after the loop
@@ -180,19 +231,24 @@ def _linear_kernel(
         mask = offs_n < N
     else:
         wait_for_producers(PDL)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm
-        x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + w_rows[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
+            k_mask = k + tl.arange(0, BLOCK_K) < K
             if EVEN_K:
-                x = tl.load(x_ptrs)
                 w = tl.load(w_ptrs)
             else:
-                k_mask = k + tl.arange(0, BLOCK_K) < K
-                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            if NORM:
+                x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask,
+                                 k + tl.arange(0, BLOCK_K), K, stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
+            elif EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             if x.dtype == tl.float32:  # fp32 stays fp32 (no tf32), so the fp32 model matches the torch path
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
@@ -201,7 +257,7 @@ def _linear_kernel(
             w_ptrs += BLOCK_K
         out = acc
         offs_out = offs_m[:, None] * N + offs_n[None, :]
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        mask = row_mask[:, None] & (offs_n < N)[None, :]
     if PARTIAL:  # fp32 partial of this split: workspace [SPLIT, M, N]
         tl.store(out_ptr + split * M * N + offs_out, out, mask=mask)
     else:
@@ -236,30 +292,35 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}; both must have the same dtype")
 
 
-def linear_into(x, weight, out, config=None, workspace=None) -> torch.Tensor:
+def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch.Tensor:
     """out [M, N] (contiguous, x's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
-    NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None)."""
+    NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None).
+    norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]): x is first replaced by
+    rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual to hidden."""
     M, K = x.shape
     N = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
     grid, split, k_per_split, meta = (
         cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(M, N, K, config)
     )
+    if norm is None:
+        residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
+    else:
+        residual, norm_weight, eps, normed, hidden = norm
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
     on = pdl(x)
-    if split == 1:
-        _linear_kernel[grid](
-            x, weight, out, M, N, K, x.stride(0), weight.stride(0), k_per_split, 1, PDL=on, launch_pdl=on, **meta
-        )
-        return out
-    if workspace is None:
+    if split > 1 and workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](
-        x, weight, workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split, PDL=on, launch_pdl=on, **meta
-    )
-    _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-        workspace, out, M * N, split, BLOCK=REDUCE_BLOCK, PDL=on, launch_pdl=on
-    )
+        x, weight, out if split == 1 else workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split,
+        residual, norm_weight, normed, hidden, residual.stride(0), eps,
+        NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
+    )  # fmt: skip
+    if split > 1:
+        _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            workspace, out, M * N, split, BLOCK=REDUCE_BLOCK, PDL=on, launch_pdl=on
+        )
     return out
 
 
@@ -288,6 +349,41 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @_linear_op.register_fake
 def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _add_rms_norm_linear(x, residual, norm_weight, eps, weight):
+    _check(x, weight)
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    if M > MAX_M or M == 0 or K == 0:  # prefill: the norm kernel, then cuBLAS
+        normed, hidden = norm_triton.add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight), normed, hidden
+    out = x.new_empty(M, N)
+    normed, hidden = x.new_empty(x.shape), x.new_empty(x.shape)
+    norm = (residual.reshape(M, K), norm_weight, eps, normed.view(M, K), hidden.view(M, K))
+    linear_into(x.reshape(M, K), weight, out, norm=norm)
+    return out.view(*x.shape[:-1], N), normed, hidden
+
+
+@torch.library.custom_op("qmoe::add_rms_norm_linear", mutates_args=())
+def _add_rms_norm_linear_op(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+
+
+@_add_rms_norm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x), torch.empty_like(x)
+
+
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
+    """naive.add_rms_norm_linear: (linear(normed, weight), normed, hidden) with hidden = x + residual and
+    normed = rms_norm(hidden) * (1 + norm_weight). Up to 64 rows the add and the norm run in the GEMV's prologue
+    (one launch: every program normalises its rows; the first N tile's programs write normed and hidden); above,
+    the norm kernel and then cuBLAS."""
+    op = _add_rms_norm_linear_op if kernels.tracing() else _add_rms_norm_linear
+    return op(x, residual, norm_weight, eps, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

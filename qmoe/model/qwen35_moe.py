@@ -54,6 +54,7 @@ def fuse_rows_(module: nn.Module, parts: tuple[str, ...]) -> torch.Tensor:
 
 class GatedAttention(nn.Module):
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    IN_PROJ = "qkv_proj"  # the in-projection the layer runs (fused with its input norm) before forward
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -71,10 +72,10 @@ class GatedAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, x, positions, inv_freq, ops):  # x [B, T, H], positions [B, T]
-        B, T, _ = x.shape
+    def forward(self, proj, positions, inv_freq, ops):  # proj = qkv_proj(x) [B, T, N], positions [B, T]
+        B, T, _ = proj.shape
         q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
-        q, k, v = ops["linear"].linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = proj.split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # strided views, no copies
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -86,6 +87,7 @@ class GatedAttention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    IN_PROJ = "in_proj"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -109,9 +111,9 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("conv_state", conv, persistent=False)
         self.register_buffer("recurrent_state", state, persistent=False)
 
-    def forward(self, x, positions, inv_freq, ops):  # x [B, T, H]
+    def forward(self, proj, positions, inv_freq, ops):  # proj = in_proj(x) [B, T, N]
         sizes = [self.conv_dim, self.nv * self.dv, self.nv, self.nv]
-        mixed_qkv, z, b, a = ops["linear"].linear(x, self.in_proj).split(sizes, dim=-1)
+        mixed_qkv, z, b, a = proj.split(sizes, dim=-1)
         core = ops["gdn"].gated_delta_net(
             mixed_qkv,
             z,
@@ -155,11 +157,11 @@ class SparseMoE(nn.Module):
         self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
 
-    def forward(self, x, ops):  # x [B, T, H]
+    def forward(self, x, proj, ops):  # x [B, T, H], proj = in_proj(x) [B, T, E + 2 Is + 1]
         rows = x.flatten(0, 1)  # [M, H]
-        proj = ops["linear"].linear(rows, self.in_proj)  # [M, E + 2 Is + 1]
         e, shared_down = self.experts, self.shared_expert.down_proj.weight
-        return ops["moe"].moe_block(rows, proj, e.gate_up_proj, e.down_proj, shared_down, self.top_k).view_as(x)
+        moe = ops["moe"].moe_block(rows, proj.flatten(0, 1), e.gate_up_proj, e.down_proj, shared_down, self.top_k)
+        return moe.view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -177,6 +179,18 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+
+    def forward(self, h, residual, positions, inv_freq, ops, eps):
+        """h: the previous block's output (the embedding for the first layer), not yet in the residual stream
+        -> (this layer's MoE output, the residual stream). Each add + RMSNorm runs inside the projection that
+        reads it (`linear.add_rms_norm_linear`), so a decode layer is 6 launches."""
+        linear, mixer = ops["linear"], self.mixer
+        in_proj = getattr(mixer, mixer.IN_PROJ)
+        proj, _, residual = linear.add_rms_norm_linear(h, residual, self.input_layernorm.weight, eps, in_proj)
+        mixed = mixer(proj, positions, inv_freq, ops)
+        post_norm = self.post_attention_layernorm.weight
+        proj, x, residual = linear.add_rms_norm_linear(mixed, residual, post_norm, eps, self.mlp.in_proj)
+        return self.mlp(x, proj, ops), residual
 
 
 def greedy_sampler(module) -> SimpleNamespace:
@@ -245,16 +259,12 @@ class Qwen35MoE(nn.Module):
         ([B, T, V] with all_logits). Caches are read and updated in place."""
         T = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
-        norm = self.ops["norm"]
         eps = self.config.rms_norm_eps
-        residual = self.embed_tokens(tokens)  # [B, T, H]
-        x = norm.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(self.layers):
-            mixed = layer.mixer(x, positions, self.inv_freq, self.ops)
-            x, residual = norm.add_rms_norm(mixed, residual, layer.post_attention_layernorm.weight, eps)
-            moe_out = layer.mlp(x, self.ops)
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, residual = norm.add_rms_norm(moe_out, residual, next_norm.weight, eps)
+        h = self.embed_tokens(tokens)  # [B, T, H]
+        residual = torch.zeros_like(h)  # the first layer's norm adds the embedding to an empty stream (exactly)
+        for layer in self.layers:
+            h, residual = layer(h, residual, positions, self.inv_freq, self.ops, eps)
+        x, _ = self.ops["norm"].add_rms_norm(h, residual, self.norm.weight, eps)
         if not all_logits:
             x = x[:, -1]
         return self.ops["linear"].linear(x, self.lm_head.weight).float()

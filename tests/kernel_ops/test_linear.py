@@ -141,6 +141,78 @@ def test_export():
     assert out.shape == (1, 1, 24) and rel_err(out, reference(x[None], w)) < TOL[torch.float32]
 
 
+# ----------------------------------------------------------------------------------------------- add + RMSNorm
+
+
+def norm_inputs(M, K, dtype, seed=0, device="cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, residual = (torch.randn(M, K, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    return x, residual, 0.1 * torch.randn(K, generator=gen, device=device, dtype=dtype)
+
+
+def norm_reference(x, residual, norm_weight, w):
+    return naive.add_rms_norm_linear(x.double(), residual.double(), norm_weight.double(), 1e-6, w.double())
+
+
+# (M, N, K, config, reason): the prologue reads whole rows for the rstd, then normalises each program's K range
+NORM_CASES = [
+    (1, 37, 53, config(1, 8, 16), "GEMV, primes: the rstd loop and every K block end in a tail"),
+    (1, 29, 100, config(1, 4, 16, SPLIT_K=3), "GEMV split-K: each split writes its K range of normed and hidden"),
+    (3, 24, 64, config(1, 8, 32), "GEMV path at M = 3: every row its own rstd"),
+    (7, 33, 80, config(16, 32, 16, SPLIT_K=2), "dot split-K: M < BLOCK_M (masked rows), N tail"),
+    (37, 23, 41, config(16, 16, 16), "dot, primes: three M tiles, each row normalised once per tile"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K,cfg,reason", NORM_CASES, ids=[c[-1].split(":")[0] for c in NORM_CASES])
+def test_add_rms_norm_linear_into(M, N, K, cfg, reason, dtype):
+    """The projection of rms_norm(x + residual), and normed and hidden written by the first N tile's programs:
+    all three outputs NaN-poisoned, so a K range or a row nobody writes reaches the result."""
+    x, residual, nw = norm_inputs(M, K, dtype, seed=M + K)
+    w = make(1, N, K, dtype, seed=N)[1]
+    out, normed, hidden = poisoned(M, N, dtype=dtype), poisoned(M, K, dtype=dtype), poisoned(M, K, dtype=dtype)
+    _, split, _, _ = lin.make_plan(M, N, K, cfg)
+    ws = poisoned(split, M, N) if split > 1 else None
+    lin.linear_into(x, w, out, config=cfg, workspace=ws, norm=(residual, nw, 1e-6, normed, hidden))
+    ref_out, ref_normed, ref_hidden = norm_reference(x, residual, nw, w)
+    assert rel_err(out, ref_out) < TOL[dtype], reason
+    assert rel_err(normed, ref_normed) < TOL[dtype], reason
+    assert torch.equal(hidden, x + residual), reason  # one rounding of the sum, as the norm kernel
+
+
+@pytest.mark.parametrize("M", [1, 5, 65], ids=["M1 GEMV", "M5 dot", "M65 norm kernel + cuBLAS"])
+def test_add_rms_norm_linear(M):
+    """The public op with default configs on every path; the torch path is the reference composed of the two ops."""
+    x, residual, nw = norm_inputs(M, 96, torch.float32, seed=M)
+    w = make(1, 70, 96, torch.float32, seed=1)[1]
+    outs = lin.add_rms_norm_linear(x[None], residual[None], nw, 1e-6, w)
+    refs = norm_reference(x[None], residual[None], nw, w)
+    assert [o.shape for o in outs] == [(1, M, 70), (1, M, 96), (1, M, 96)]
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < TOL[torch.float32]
+
+
+def test_add_rms_norm_linear_export():
+    """Traces as the custom op qmoe::add_rms_norm_linear (three outputs, with its fake) and the program runs it."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, nw, w):
+            super().__init__()
+            self.nw, self.w = (torch.nn.Parameter(t, requires_grad=False) for t in (nw, w))
+
+        def forward(self, x, residual):
+            return lin.add_rms_norm_linear(x, residual, self.nw, 1e-6, self.w)
+
+    x, residual, nw = norm_inputs(1, 40, torch.float32)
+    w = make(1, 24, 40, torch.float32)[1]
+    program = torch.export.export(Block(nw, w), (x[None], residual[None]))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "qmoe.add_rms_norm_linear.default" in targets
+    for o, r in zip(program.module()(x[None], residual[None]), norm_reference(x[None], residual[None], nw, w)):
+        assert rel_err(o, r) < TOL[torch.float32]
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 SHAPES_35B = {"gdn_in": (12352, 2048), "gdn_out": (2048, 4096), "moe_in": (1281, 2048), "lm_head": (248320, 2048)}
@@ -174,3 +246,23 @@ def test_split_k_cuda_graph_gpu(cfg):
         torch.cuda.synchronize()
         assert torch.equal(static_out, run())
         assert rel_err(static_out, reference(x, w)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", ["gdn_in", "moe_in"], ids=str)
+def test_add_rms_norm_linear_35b_gpu(shape, M):
+    """bf16 at 35B shapes: the fused prologue's projection as accurate as the norm kernel + cuBLAS (vs fp64),
+    normed within one bf16 rounding of the reference, and bit-reproducible."""
+    N, K = SHAPES_35B[shape]
+    x, residual, nw = norm_inputs(M, K, torch.bfloat16, device="cuda")
+    w = make(1, N, K, torch.bfloat16, device="cuda")[1]
+    ref = norm_reference(x, residual, nw, w)
+    out, normed, hidden = lin.add_rms_norm_linear(x, residual, nw, 1e-6, w)
+    torch_out, torch_normed, _ = naive.add_rms_norm_linear(x, residual, nw, 1e-6, w)
+    assert rel_err(out, ref[0]) <= 1.1 * rel_err(torch_out, ref[0]) + 1e-4
+    assert rel_err(normed, ref[1]) <= 1.1 * rel_err(torch_normed, ref[1]) + 1e-4
+    assert torch.equal(hidden, x + residual)
+    assert all(
+        torch.equal(a, b) for a, b in zip((out, normed, hidden), lin.add_rms_norm_linear(x, residual, nw, 1e-6, w))
+    )
