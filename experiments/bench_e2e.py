@@ -302,7 +302,7 @@ def main():
     targets: list[dict] = []
     extra: dict = {"weights": weight_memory(model)}
     if args.profile_only:
-        model.setup_caches(1, model.max_seq_len)
+        model.setup_caches(1, validate(base).max_seq_len)
         prof = profile_decode(model, prompts[0], out_dir, groups)
         for part, p in prof.get("parts", {}).items():
             print(f"gpu  {part:<30} {p['kernels']:>4} kernels {p['us']:>8.1f} us")

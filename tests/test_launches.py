@@ -3,8 +3,8 @@
 A launch is a Triton kernel launch (counted at the JIT function's `run`) or an aten op that launches a device
 kernel (a TorchDispatchMode sees every aten op, also inside custom ops; views, allocations and metadata launch
 nothing). Each launch is charged to the op group (`model.ops[group]`) whose function was running, or to `model`
-for the model's own glue. The issue's target: <= 8 launches per layer + O(1); the model takes 6 (the MoE block
-counted as its linear + 2).
+for the model's own glue. The issue's target: <= 8 launches per layer + O(1); at batch 1 the model takes 6 (the
+MoE block counted as its linear + 2).
 """
 
 from collections import Counter
@@ -24,16 +24,18 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
 NO_KERNEL |= {"_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "lift_fresh", "alias"}
 
 # Launches per layer of each op group in a decode step. linear: the mixer's fused in-projection and the MoE
-# block's fused in-projection, each with the add + RMSNorm before it in its prologue, and the mixer's
-# out-projection; the mixer (gdn or attention) one launch each; no separate norm.
+# block's fused in-projection, each with the add + RMSNorm before it in its GEMV prologue, and the mixer's
+# out-projection; the mixer (gdn or attention) one launch each; no separate norm. At batch > 1 the rows take the
+# dot path, where each add + RMSNorm is its own kernel before the projection (charged to linear).
 PER_LAYER = {"linear": 3, "norm": 0, "mixer": 1}
+NORMS_OUTSIDE_GEMV = {1: 0, 2: 2}  # by batch
 # The MoE block after its in-projection: routing, shared expert and combine fused into the two expert kernels.
 MOE_LAUNCHES = 2
 # Per step: the model's glue (embedding, the empty residual stream, positions = input_pos + arange, the logits'
 # fp32 cast), the final add + RMSNorm, lm_head, and sampling: a greedy run (temperature 0, the default) takes the
 # sampler's two-launch argmax.
 PER_STEP = {"model": 5, "norm": 1, "linear": 1, "sampling": 2}
-PER_LAYER_LIMIT, PER_STEP_LIMIT = 6, 12
+PER_LAYER_LIMIT, PER_STEP_LIMIT = 8, 12  # the issue's budget; batch 1 takes 6 per layer
 
 
 def launches_kernel(func) -> bool:
@@ -140,11 +142,13 @@ def test_decode_step_launches_by_group(counter, B):
     assert counts["norm"] == PER_LAYER["norm"] * L + PER_STEP["norm"], report
     assert counts["attention"] == PER_LAYER["mixer"] * attn_layers, report
     assert counts["gdn"] == PER_LAYER["mixer"] * (L - attn_layers), report
-    assert counts["linear"] == PER_LAYER["linear"] * L + PER_STEP["linear"], report
+    assert counts["linear"] == (PER_LAYER["linear"] + NORMS_OUTSIDE_GEMV[B]) * L + PER_STEP["linear"], report
     assert counts["moe"] == MOE_LAUNCHES * L, report
     assert counts["sampling"] == PER_STEP["sampling"], report
-    total = sum(counts.values())  # the issue's measure (<= 8 per layer + O(1)); this model's budget: 6
+    total = sum(counts.values())  # the issue's measure: <= 8 per layer + O(1)
     assert total <= PER_LAYER_LIMIT * L + PER_STEP_LIMIT, f"{total} launches; {report}"
+    if B == 1:
+        assert total == 6 * L + sum(PER_STEP.values()), report
 
 
 @torch.no_grad()

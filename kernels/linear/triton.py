@@ -168,9 +168,9 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out = x @ w^T; with NORM, x is first replaced by rms_norm(x + residual) * (1 + nw) (the add + RMSNorm
-    before a projection, fused into its prologue: each program computes its rows' rstd, the programs of the
-    first N tile also write normed and the new residual for the layer's other readers)."""
+    """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
+    add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
+    of the first N tile also write normed and the new residual for the layer's other readers)."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -231,8 +231,6 @@ def _linear_kernel(
         mask = offs_n < N
     else:
         wait_for_producers(PDL)
-        if NORM:
-            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + w_rows[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -242,10 +240,7 @@ def _linear_kernel(
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            if NORM:
-                x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask,
-                                 k + tl.arange(0, BLOCK_K), K, stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
-            elif EVEN_K:
+            if EVEN_K:
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
@@ -296,8 +291,9 @@ def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch
     """out [M, N] (contiguous, x's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
     NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None).
-    norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]): x is first replaced by
-    rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual to hidden."""
+    norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]), GEMV configs (BLOCK_M = 1) only:
+    x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
+    to hidden."""
     M, K = x.shape
     N = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
@@ -306,6 +302,8 @@ def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch
     )
     if norm is None:
         residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
+    elif meta["BLOCK_M"] != 1:
+        raise ValueError(f"linear_into: the fused add + RMSNorm runs on the GEMV path (BLOCK_M = 1), got {meta}")
     else:
         residual, norm_weight, eps, normed, hidden = norm
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
@@ -355,9 +353,11 @@ def _add_rms_norm_linear(x, residual, norm_weight, eps, weight):
     _check(x, weight)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if M > MAX_M or M == 0 or K == 0:  # prefill: the norm kernel, then cuBLAS
+    if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, x.dtype, x.device)[3]["BLOCK_M"] != 1:
+        # A tile of rows: each program would normalise [BLOCK_M, K] from L2 per K block (measured slower at
+        # M = 8 than the norm kernel), so the norm kernel runs first, then the projection.
         normed, hidden = norm_triton.add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight), normed, hidden
+        return _linear(normed, weight), normed, hidden
     out = x.new_empty(M, N)
     normed, hidden = x.new_empty(x.shape), x.new_empty(x.shape)
     norm = (residual.reshape(M, K), norm_weight, eps, normed.view(M, K), hidden.view(M, K))
@@ -379,9 +379,9 @@ def _(x, residual, norm_weight, eps, weight):
 
 def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
     """naive.add_rms_norm_linear: (linear(normed, weight), normed, hidden) with hidden = x + residual and
-    normed = rms_norm(hidden) * (1 + norm_weight). Up to 64 rows the add and the norm run in the GEMV's prologue
-    (one launch: every program normalises its rows; the first N tile's programs write normed and hidden); above,
-    the norm kernel and then cuBLAS."""
+    normed = rms_norm(hidden) * (1 + norm_weight). On the GEMV path (M = 1; any M the table runs as GEMVs) the add
+    and the norm run in its prologue (one launch: every program normalises its row; the first N tile's programs
+    write normed and hidden); else the norm kernel, then the projection (Triton up to 64 rows, cuBLAS above)."""
     op = _add_rms_norm_linear_op if kernels.tracing() else _add_rms_norm_linear
     return op(x, residual, norm_weight, eps, weight)
 
