@@ -8,10 +8,10 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/qmoe_out}
 mkdir -p "$OUT" results
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then  # installed once per machine (parallel sessions)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 log="$OUT/session.log"
 export QMOE_GIT_COMMIT=${QMOE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 status=()
@@ -24,7 +24,6 @@ run_stage() {
   status+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
   # pack after every stage: a later stage that runs out of time loses nothing already measured
   tar czf "$OUT/results.tar.gz" results kernels/moe/configs kernels/linear/configs 2>/dev/null
-  printf '%s\n' "${status[@]}" >"$OUT/status.txt"
 }
 for stage in "$@"; do
   case $stage in
