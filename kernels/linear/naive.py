@@ -3,13 +3,18 @@
 import torch
 import torch.nn.functional as F
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
-    return F.linear(x, weight)
+from kernels.fp8 import dequantize
 
 
-def linear_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x, weight) written into `out` [..., N] (contiguous, x's dtype): the out-variant an exported method
-    uses to compute its output straight into the planned buffer."""
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype. With `scale` ([N, ceil(K / 128)], kernels/fp8.py)
+    the weight is fp8, dequantized to x's dtype first."""
+    return F.linear(x, weight if scale is None else dequantize(weight, scale, x.dtype))
+
+
+def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous, x's dtype): the
+    out-variant an exported method uses to compute its output straight into the planned buffer."""
+    *scale, out = scale_out
+    weight = weight if not scale else dequantize(weight, scale[0], x.dtype)
     return torch.matmul(x, weight.t(), out=out)

@@ -35,11 +35,6 @@ def active_weight_bytes(config, dtype: torch.dtype) -> int:
     return config.param_counts()["active"] * dtype.itemsize
 
 
-def weight_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of all the weights in `dtype`: what building or loading the model allocates."""
-    return config.param_counts()["total"] * dtype.itemsize
-
-
 _COPY_GBS: dict[tuple[str, int], float] = {}  # (device, bytes) -> measured copy bandwidth, once per process
 
 
