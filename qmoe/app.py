@@ -313,8 +313,10 @@ def summary_table(results: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     export = f"{setup['preset']} / {setup['method_split']}" if "preset" in setup else "- (eager model, no export)"
+    weights = cfg["model"].get("weights", "auto")
+    kind = results["model"]["weights"]["kind"] + ("" if weights == "auto" else f", {weights}")
     rows = [
-        ("model", f"{cfg['model']['name']} ({cfg['model']['dtype']}, {results['model']['weights']['kind']} weights)"),
+        ("model", f"{cfg['model']['name']} ({cfg['model']['dtype']}, {kind} weights)"),
         ("device", f"{env['device']} ({env['device_name']})"),
         (
             "runtime",

@@ -1,0 +1,93 @@
+"""FP8 weights in the model: the layout (kernels/fp8.py) against its definition, model.weights=fp8 at init against
+the quantized dense model, fused groups sharing one buffer, and the app running it."""
+
+import pytest
+import torch
+from compose import compose_config
+
+from kernels.fp8 import FP8, dequantize, quantize_rows, rows_from_blocks, rows_from_channels
+from qmoe import run_experiment
+from qmoe.model import build_model, fp8_weight_names, weight_nbytes
+from qmoe.settings import ConfigError, validate
+from tests.helpers import rel_err, tiny_config
+
+ODD = tiny_config(hidden_size=144, moe_intermediate_size=40, shared_expert_intermediate_size=24)
+
+
+# K = 300: two full 128-blocks and a 44-wide tail; a zero block; rows of very different magnitude.
+def test_quantize_rows_bounds_each_block_by_its_own_amax():
+    w = torch.randn(3, 5, 300, generator=torch.Generator().manual_seed(0))
+    w[0, 0] *= 1000
+    w[1, 2, 128:256] = 0
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8 and q.shape == w.shape and scale.shape == (3, 5, 3)
+    assert scale[1, 2, 1] == 1 and (dequantize(q, scale)[1, 2, 128:256] == 0).all()
+    blocks = torch.nn.functional.pad(w, (0, 84)).unflatten(-1, (3, 128))
+    assert torch.equal(scale, torch.where(blocks.abs().amax(-1) > 0, blocks.abs().amax(-1) / 448, 1.0))
+    err = (dequantize(q, scale) - w).abs()
+    # e4m3: 3 mantissa bits, so a normal value is within 2^-4 of itself; below 2^-6 (subnormal) within 2^-10
+    bound = torch.maximum(w.abs() / 16, scale.repeat_interleave(128, -1)[..., :300] * 2**-10)
+    assert (err <= bound).all()
+    assert rel_err(dequantize(q, scale), w) < 0.04
+
+
+def test_checkpoint_scales_expand_to_rows():
+    scale_inv = torch.arange(6.0).view(2, 3)  # N = 200 (rows 128..199 in block 1), K = 300
+    rows = rows_from_blocks(scale_inv, 200, 300, (128, 128))
+    assert rows.shape == (200, 3) and torch.equal(rows[127], scale_inv[0]) and torch.equal(rows[128], scale_inv[1])
+    wide = rows_from_blocks(scale_inv[:, :2], 200, 300, (128, 256))  # a 256-wide K block covers two of ours
+    assert torch.equal(wide[0], torch.tensor([0.0, 0.0, 1.0]))
+    channel = rows_from_channels(torch.tensor([[2.0], [3.0]]), 300)
+    assert torch.equal(channel, torch.tensor([[2.0] * 3, [3.0] * 3]))
+
+
+def test_fp8_init_is_the_quantized_dense_init():
+    fp8 = fp8_weight_names(ODD, "fp8")
+    dense = build_model(ODD, torch.float32, "cpu", seed=1)
+    model = build_model(ODD, torch.float32, "cpu", seed=1, fp8=fp8)
+    params = dict(model.named_parameters())
+    assert "layers.0.mlp.experts.gate_up_proj" in fp8 and "lm_head.weight" not in fp8
+    assert not {n for n in fp8 if ".mlp.gate." in n or "shared_expert.gate_proj" in n}  # fused with the router
+    for name, d in dense.named_parameters():
+        if name in fp8:
+            q, scale = quantize_rows(d)
+            assert params[name].dtype == FP8 and torch.equal(params[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(params[f"{name}_scale"], scale), name
+        else:
+            assert torch.equal(params[name], d), name
+
+
+def test_fp8_model_computes_with_its_dequantized_weights():
+    fp8 = fp8_weight_names(ODD, "fp8")
+    model = build_model(ODD, torch.float32, "cpu", seed=2, fp8=fp8)
+    dense = build_model(ODD, torch.float32, "cpu", seed=2)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            p.copy_(dequantize(params[name], params[f"{name}_scale"]) if name in fp8 else params[name])
+    tokens = torch.randint(0, ODD.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    for m in (model, dense):
+        m.setup_caches(2, 16)
+    start = torch.zeros(2, dtype=torch.long)
+    assert rel_err(model(tokens, start, all_logits=True), dense(tokens, start, all_logits=True)) < 1e-6
+
+
+def test_fused_fp8_groups_are_views_of_one_buffer():
+    model = build_model(ODD, torch.bfloat16, "cpu", seed=0, fp8=fp8_weight_names(ODD, "fp8"))
+    gdn, moe = model.layers[0].linear_attn, model.layers[0].mlp
+    assert gdn.in_proj.dtype == FP8 and gdn.in_proj_scale.shape == (gdn.in_proj.shape[0], 2)
+    assert gdn.in_proj_b.weight_scale.data_ptr() == gdn.in_proj_scale[ODD.conv_dim + 64].data_ptr()  # z: 4 x 16
+    assert moe.in_proj.dtype == torch.bfloat16 and moe.in_proj_scale is None
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8"))
+    assert weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) < 0.7 * weight_nbytes(ODD, torch.bfloat16)
+
+
+def test_app_runs_fp8_weights(tmp_path):
+    r = run_experiment(compose_config("logger=none", "model.weights=fp8", "generation.max_new_tokens=4"), tmp_path)
+    assert r["model"]["weights"]["fp8"] is True and len(r["generated"]["token_ids"][0]) == 4
+
+
+def test_bad_weights_value_is_one_line():
+    with pytest.raises(ConfigError, match=r"^model.weights: must be one of auto, dense, fp8 \(got 'int4'\)$"):
+        validate(compose_config("model.weights=int4"))
