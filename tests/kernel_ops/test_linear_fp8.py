@@ -1,0 +1,81 @@
+"""The dense projection with FP8 weights (kernels/fp8.py layout) against the dequantized weight in float64: both
+kernel paths, split-K across scale-block boundaries, N and K not multiples of 128, the cuBLAS hand-over, fused row
+slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16)."""
+
+import pytest
+import torch
+
+from kernels.fp8 import dequantize, quantize_rows
+from kernels.linear import naive
+from kernels.linear import triton as lin
+from tests.helpers import poisoned, rel_err
+
+# The weight is exactly its fp8 values times the scales, so the only error is the arithmetic's.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1):
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
+
+
+def make(M, N, K, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    w[:, 128:256] *= 50  # scale blocks of very different size: a scale applied to the wrong K block shows
+    q, scale = quantize_rows(w)
+    return x, q, scale
+
+
+def reference(x, q, scale):
+    return x.double() @ dequantize(q, scale, torch.float64).T
+
+
+CASES = [
+    (1, 37, 300, config(1, 8, 128), "GEMV, one scale block per step: N tail 37, K tail 44 (300 = 2 * 128 + 44)"),
+    (1, 29, 300, config(1, 4, 32), "GEMV, four steps per scale block, K tail inside the last block"),
+    (1, 33, 300, config(1, 4, 64, SPLIT_K=3), "GEMV split-K: splits of 2 steps start mid-scale-block"),
+    (3, 17, 200, config(1, 16, 64), "GEMV path at M = 3, N < BLOCK_N"),
+    (1, 40, 300, config(16, 16, 32), "dot path at M = 1: 15 masked rows"),
+    (7, 45, 300, config(16, 32, 64, SPLIT_K=2), "dot split-K, M < BLOCK_M, N and K tails"),
+    (37, 23, 136, config(16, 16, 128), "dot, three M tiles, K = 128 + 8"),
+    (64, 130, 256, config(64, 32, 128), "dot at M = 64, N = 130 (two 128-row blocks in a checkpoint's terms)"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K,cfg,reason", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+def test_fp8_linear_into(M, N, K, cfg, reason, dtype):
+    x, q, scale = make(M, N, K, dtype, seed=M + N + K)
+    _, split, _, _ = lin.make_plan(M, N, K, cfg, fp8=True)
+    out = poisoned(M, N, dtype=dtype)
+    ws = poisoned(split, M, N) if split > 1 else None
+    lin.linear_into(x, q, out, config=cfg, workspace=ws, scale=scale)
+    assert rel_err(out, reference(x, q, scale)) < TOL[dtype], reason
+
+
+@pytest.mark.parametrize("M", [1, 5, 65], ids=["M1", "M5", "M65 dequantized F.linear"])
+def test_fp8_linear_default_configs_and_reference(M):
+    """The public op (default configs; fp8 defaults keep BLOCK_K <= 128) and naive.linear, across the hand-over."""
+    x, q, scale = make(M, 70, 300, torch.float32, seed=M)
+    ref = reference(x, q, scale)
+    assert rel_err(lin.linear(x, q, scale), ref) < TOL[torch.float32]
+    assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
+    assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= 128
+
+
+def test_fp8_row_slice_of_a_fused_buffer():
+    """A sub-projection of a fused fp8 buffer (the model's layout): weight and scale row slices with their strides."""
+    x, q, scale = make(1, 70, 300, torch.float32, seed=3)
+    out = lin.linear(x, q[33:34], scale[33:34])  # shared_expert_gate: one row
+    assert rel_err(out, reference(x, q[33:34], scale[33:34])) < TOL[torch.float32]
+
+
+def test_fp8_configs_and_inputs_are_checked():
+    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
+        lin.make_plan(1, 8, 512, config(1, 8, 256), fp8=True)
+    x, q, scale = make(1, 8, 300, torch.float32)
+    with pytest.raises(ValueError, match=r"row-contiguous float32 scale \[8, 3\], got .* torch.float32 \[8, 1\]"):
+        lin.linear(x, q, scale[:, :1])
+    with pytest.raises(ValueError, match=r"x is torch.float32 but weight is torch.float8_e4m3fn"):
+        lin.linear(x, q)
