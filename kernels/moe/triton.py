@@ -618,7 +618,7 @@ def _moe_down_gemv_kernel(
             h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
         )
         if EXPERTS_FP8:  # BLOCK_K <= 128: one scale per (expert, row) per step; none past I
-            in_i = tl.full((BLOCK_N,), k0, tl.int32) < I  # [BLOCK_N] (a scalar mask is not portable)
+            in_i = k0 + tl.zeros((BLOCK_N,), tl.int32) < I  # [BLOCK_N]: a tensor mask (a scalar is not portable)
             w_scale = tl.load(w_scales + k0 // 128, mask=top_mask[:, None] & in_i[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2) * w_scale
         else:
@@ -631,7 +631,7 @@ def _moe_down_gemv_kernel(
         gate = gate.to(tl.float32)
         a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
         if SHARED_FP8:
-            in_is = tl.full((BLOCK_N,), k0, tl.int32) < IS
+            in_is = k0 + tl.zeros((BLOCK_N,), tl.int32) < IS
             acc_shared += tl.sum(ws.to(tl.float32) * a_shared[None, :], 1) * tl.load(
                 s_scales + k0 // 128, mask=in_is, other=0.0
             )
