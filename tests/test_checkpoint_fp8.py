@@ -267,3 +267,15 @@ def test_synth_quant_option_is_checked(capsys):
         parse_args(["model=qwen35_moe_tiny", "out=x", "quant=int4"])
     assert raised.value.code == 2
     assert capsys.readouterr().err == "error: quant=int4: allowed: none, fp8_block, fp8_channel\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8_channel"])
+def test_fp8_checkpoint_loads_to_cuda_equal_to_cpu(tmp_path, quant):
+    """Scales expanded, fp8 copied, shared expert dequantized, on the device as on the CPU."""
+    ckpt = write(tmp_path, quant, "per_expert")
+    cpu_model, _ = load_checkpoint(ckpt, dtype=torch.bfloat16, device="cpu")
+    gpu_model, info = load_checkpoint(ckpt, dtype=torch.bfloat16, device="cuda")
+    assert info.quantization["held_fp8"] > 0
+    for (name, g), c in zip(gpu_model.named_parameters(), cpu_model.parameters(), strict=True):
+        assert g.dtype == c.dtype and torch.equal(g.cpu().view(torch.uint8), c.view(torch.uint8)), name

@@ -79,3 +79,22 @@ def test_fp8_configs_and_inputs_are_checked():
         lin.linear(x, q, scale[:, :1])
     with pytest.raises(ValueError, match=r"x is torch.float32 but weight is torch.float8_e4m3fn"):
         lin.linear(x, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(12352, 2048), (1281, 2048), (2048, 512), (248320, 2048)])
+@pytest.mark.parametrize("M", [1, 8, 64, 65])
+def test_fp8_linear_gpu_bf16(N, K, M):
+    """35B projection shapes (gdn_in, moe_in, shared_down, lm_head) in bf16 on the default configs, against fp32 on
+    the dequantized weight: the bf16 activations' and output's rounding only; a CUDA-graph replay equals eager."""
+    from tests.helpers import captured
+
+    gen = torch.Generator(device="cuda").manual_seed(N + M)
+    x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+    ref = x.float() @ dequantize(q, scale).T
+    out = lin.linear(x, q, scale)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    graph, replayed = captured(lambda: lin.linear(x, q, scale))
+    graph.replay()
+    torch.testing.assert_close(replayed, out, rtol=0, atol=0)

@@ -129,3 +129,27 @@ def test_fp8_scales_and_configs_are_checked():
         moe.moe_block_decode(*args, 2, None, None, s13, s2[..., :1], s_shared)
     with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
         moe.moe_block_decode(*args, 2, moe.DEFAULT_CONFIGS["gemv"], None, s13, s2, s_shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 65])
+@pytest.mark.parametrize("shared_fp8", [True, False], ids=["block format", "shared expert dense"])
+def test_fp8_moe_block_gpu_35b(M, shared_fp8):
+    """35B shapes (E 256, H 2048, I = Is = 512, top-8) in bf16 on the default configs against the fp32 block on the
+    dequantized weights; bit-reproducible."""
+    torch.manual_seed(M)
+    E, H, I, K = 256, 2048, 512, 8
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
+    shared, s_shared = quantize_rows(torch.randn(H, I, device="cuda") / I**0.5)
+    if not shared_fp8:
+        shared, s_shared = dequantize(shared, s_shared, torch.bfloat16), None
+    proj = torch.randn(M, E + 2 * I + 1, device="cuda").bfloat16()
+    args, scales = (x, proj, w13, w2, shared), (s13, s2, s_shared)
+    out = moe.moe_block(*args, K, *scales)
+    f32 = torch.float32
+    shared32 = shared.float() if s_shared is None else dequantize(shared, s_shared)
+    ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
+    assert rel_err(out, ref) < 2e-2
+    assert torch.equal(moe.moe_block(*args, K, *scales), out)
