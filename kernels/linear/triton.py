@@ -20,8 +20,12 @@ FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N,
 kernel with SCALED: each BLOCK_K step (BLOCK_K <= 128, so it lies in one scale block) loads one scale per row and
 applies it in registers: the GEMV multiplies w * x by it, the dot path converts the tile to x's dtype (exact: e4m3
 fits bf16 and fp16) and scales the step's [BLOCK_M, BLOCK_N] product; fp32 accumulation either way. Above 64 rows
-the weight is dequantized to x's dtype per call and goes to F.linear: correct, not fast (an FP8 x FP8 prefill is
-not written yet).
+(prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
+weights' rule; Triton's interpreter converts to fp8 wrongly near powers of two, so a Triton pre-pass could not be
+checked on the CPU) and the dot path runs with ACT_FP8 on the fp8 tensor cores, each step's product scaled by the
+token's and the row's scales. Its error is the activations' quantization: ~2^-4 / sqrt(3) relative per element, a
+few % of a projection (tests bound it). QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs
+F.linear in x's dtype.
 
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
 QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
@@ -29,6 +33,7 @@ time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an
 and one launch (two with split-K).
 """
 
+import os
 from pathlib import Path
 
 import torch
@@ -38,7 +43,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_rows
 from kernels.tuned import load_table
 
 __all__ = ["linear"]
@@ -48,6 +53,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 REDUCE_BLOCK = 1024
+# M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
+FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -107,7 +115,7 @@ def check_config(config: dict, fp8: bool = False) -> None:
         raise ValueError(f"linear config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
 
 
-def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False) -> tuple:
+def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: bool = False) -> tuple:
     """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
     The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
     splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short."""
@@ -118,7 +126,7 @@ def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False) -> tuple:
     split = triton.cdiv(k_blocks, blocks_per_split)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, ACT_FP8=act_fp8,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
@@ -142,12 +150,12 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
-    x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split, SPLIT,
+    x_ptr, w_ptr, out_ptr, s_ptr, xs_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, k_per_split, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, SCALED: tl.constexpr,
+    PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACT_FP8: tl.constexpr,
 ):  # fmt: skip
     # SCALED: w is fp8 with s [N, ceil(K / 128)] fp32; BLOCK_K <= 128 divides 128, so step k is in scale block
-    # k // 128 (s_ptr is unused otherwise).
+    # k // 128 (s_ptr is unused otherwise). ACT_FP8 (dot path, with SCALED): x is fp8 too, with xs [M, ceil(K / 128)].
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -197,7 +205,11 @@ def _linear_kernel(
                 k_mask = k + tl.arange(0, BLOCK_K) < K
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            if SCALED:  # e4m3 -> x's dtype is exact; the scale applies to this step's product
+            if ACT_FP8:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
+                scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
+                x_scale = tl.load(xs_ptr + tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xsm + k // 128)  # [BLOCK_M]
+                acc += tl.dot(x, w) * (x_scale[:, None] * scale[None, :])
+            elif SCALED:  # e4m3 -> x's dtype is exact; the scale applies to this step's product
                 scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
                 if x.dtype == tl.float32:
                     acc += tl.dot(x, w.to(tl.float32), input_precision="ieee") * scale[None, :]
@@ -251,31 +263,32 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
             )
 
 
-def linear_into(x, weight, out, config=None, workspace=None, scale=None) -> torch.Tensor:
-    """out [M, N] (contiguous, x's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
+def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale=None) -> torch.Tensor:
+    """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
     NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None);
-    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight."""
+    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight; x_scale: x is fp8 too (quantize_rows), with
+    these [M, ceil(K / 128)] scales (the dot path only: config BLOCK_M >= 16)."""
     M, K = x.shape
     N = weight.shape[0]
-    fp8 = scale is not None
+    fp8, act_fp8 = scale is not None, x_scale is not None
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
+    if act_fp8 and (not fp8 or (config or {}).get("BLOCK_M", 16) < 16):
+        raise ValueError("linear_into: fp8 activations need an fp8 weight and the dot path (BLOCK_M >= 16)")
     grid, split, k_per_split, meta = (
         cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
         if config is None
-        else make_plan(M, N, K, config, fp8)
+        else make_plan(M, N, K, config, fp8, act_fp8)
     )
     s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
+    xs, stride_xsm = (x_scale, x_scale.stride(0)) if act_fp8 else (s, 0)  # xs unused without ACT_FP8
+    strides = x.stride(0), weight.stride(0), stride_sn, stride_xsm
     if split == 1:
-        _linear_kernel[grid](
-            x, weight, out, s, M, N, K, x.stride(0), weight.stride(0), stride_sn, k_per_split, 1, **meta
-        )
+        _linear_kernel[grid](x, weight, out, s, xs, M, N, K, *strides, k_per_split, 1, **meta)
         return out
     if workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    _linear_kernel[grid](
-        x, weight, workspace, s, M, N, K, x.stride(0), weight.stride(0), stride_sn, k_per_split, split, **meta
-    )
+    _linear_kernel[grid](x, weight, workspace, s, xs, M, N, K, *strides, k_per_split, split, **meta)
     _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](workspace, out, M * N, split, BLOCK=REDUCE_BLOCK)
     return out
 
@@ -284,6 +297,12 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
+    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+        rows = x.reshape(M, K)
+        x_q, x_scale = quantize_rows(rows)  # per (token, 128-wide group): the weights' rule, a torch pre-pass
+        linear_into(x_q, weight, out.view(M, N), FP8_PREFILL_CONFIG, scale=scale, x_scale=x_scale)
+        return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
         weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)

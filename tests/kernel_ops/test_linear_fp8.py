@@ -54,12 +54,14 @@ def test_fp8_linear_into(M, N, K, cfg, reason, dtype):
     assert rel_err(out, reference(x, q, scale)) < TOL[dtype], reason
 
 
-@pytest.mark.parametrize("M", [1, 5, 65], ids=["M1", "M5", "M65 dequantized F.linear"])
+@pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last skinny", "M65 fp8 x fp8"])
 def test_fp8_linear_default_configs_and_reference(M):
-    """The public op (default configs; fp8 defaults keep BLOCK_K <= 128) and naive.linear, across the hand-over."""
+    """The public op (default configs; fp8 defaults keep BLOCK_K <= 128) and naive.linear, across the hand-over
+    (above 64 rows the activations are quantized too: compared with the same quantization in the reference)."""
     x, q, scale = make(M, 70, 300, torch.float32, seed=M)
     ref = reference(x, q, scale)
-    assert rel_err(lin.linear(x, q, scale), ref) < TOL[torch.float32]
+    act_ref = act_quantized(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
+    assert rel_err(lin.linear(x, q, scale), act_ref) < TOL[torch.float32]
     assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
     assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= 128
 
@@ -94,7 +96,42 @@ def test_fp8_linear_gpu_bf16(N, K, M):
     q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
     ref = x.float() @ dequantize(q, scale).T
     out = lin.linear(x, q, scale)
+    if M > lin.MAX_M:  # FP8 x FP8: exact up to bf16 rounding on the quantized activations; a few % on x itself
+        assert rel_err(out, ref) < 6e-2
+        ref = act_quantized(x.float()).float() @ dequantize(q, scale).T
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
     graph, replayed = captured(lambda: lin.linear(x, q, scale))
     graph.replay()
     torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+
+
+def act_quantized(x):
+    """x with each (token, 128-wide group) quantized as the FP8 prefill does (kernels/fp8.quantize_rows's rule)."""
+    q, s = quantize_rows(x)
+    return dequantize(q, s, torch.float64)
+
+
+@pytest.mark.parametrize(
+    "M,N,K",
+    [(65, 40, 300), (130, 33, 128), (70, 130, 100)],
+    ids=["M 65 K tail", "two M tiles, one K block", "K < 128, N two row tiles"],
+)
+def test_fp8_prefill_quantizes_activations_per_token_group(M, N, K):
+    """M > 64: FP8 x FP8. Against the product of the per-group quantized activations and the weight: only fp32
+    summation error; against the unquantized activations: the activations' FP8 rounding (~2^-4 / sqrt(3) per
+    element, so a few % of the output), the op's stated error."""
+    x, q, scale = make(M, N, K, torch.float32, seed=M)
+    x[3] *= 1e3  # one token far larger than the others: its groups' scales are its own
+    x[5, : min(K, 128)] = 0  # an all-zero group (scale 1)
+    out = lin.linear(x, q, scale)
+    w = dequantize(q, scale, torch.float64)
+    assert rel_err(out, act_quantized(x) @ w.T) < 1e-5
+    assert rel_err(out, x.double() @ w.T) < 0.05
+    assert rel_err(out[3:4], x[3:4].double() @ w.T) < 0.05  # the large token does not swamp the others' scales
+    assert rel_err(out[:3], x[:3].double() @ w.T) < 0.05
+
+
+def test_fp8_prefill_can_dequantize_instead(monkeypatch):
+    x, q, scale = make(65, 40, 300, torch.float32)
+    monkeypatch.setattr(lin, "FP8_PREFILL", "dequantize")
+    assert torch.equal(lin.linear(x, q, scale), naive.linear(x, q, scale))
