@@ -8,7 +8,10 @@ check fails. Then:
   gemv   every fused dense projection of the 35B-A3B and 122B-A10B configs at M = 1, 8, 64; CUDA-graph replays of
          one call per weight copy, copies rotated past L2; GB/s on the bytes read (fp8 weight + scales +
          activation + output), % of a 1 GiB device copy (read + write) timed in the same run; the bf16 Triton
-         kernel on the same shape beside it (M = 1).
+         kernel on the same shape beside it (M = 1). Prefill, M = 4096 (not the lm_head, which prefill runs on
+         the last token only): the FP8 x FP8 path (activations quantized per token and 128-K group) against cuBLAS
+         bf16 on the dequantized weight, TFLOP/s; its error against the quantized activations' product (bf16
+         rounding only) is checked, the error against the unquantized activations reported.
   moe    the MoE block (2 launches at M <= 64) at 35B / 122B shapes, M = 1, 8, 64, uniform routing, each replay
          on its own routing; GB/s on the fp8 bytes of the distinct selected experts + the shared down projection;
          the bf16 block beside it.
@@ -37,7 +40,7 @@ from bench_gemv import model_config, model_shapes  # noqa: E402
 from bench_moe import make_inputs  # noqa: E402
 from benchlib import copy_bandwidth_gbs, print_targets, target, time_calls, write_json  # noqa: E402
 
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_into  # noqa: E402
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_into, quantize_rows  # noqa: E402
 from kernels.linear import triton as lin  # noqa: E402
 from kernels.moe import naive as moe_naive  # noqa: E402
 from kernels.moe import triton as moe  # noqa: E402
@@ -46,9 +49,11 @@ from qmoe.model import build_model, fp8_weight_names, weight_nbytes  # noqa: E40
 MODELS = {"35B": "qwen35_moe", "122B": "qwen35_moe_122b"}
 MOE_SHAPES = {"35B": dict(E=256, H=2048, I=512, K=8), "122B": dict(E=256, H=3072, I=1024, K=8)}
 M_VALUES = (1, 8, 64)
+PREFILL_M = 4096
 SMOKE_GEMV = {(70, 300): ["smoke a"], (33, 136): ["smoke b"]}
 SMOKE_MOE = {"smoke": dict(E=8, H=160, I=136, K=2)}
 SMOKE_M = (1, 5)
+SMOKE_PREFILL_M = 70
 ROTATE_BYTES = 240 * 2**20  # bytes touched per graph replay: 4x the 60 MB L2
 MAX_ROTATE_BYTES = 4 * 2**30
 GEMV_TOL, MOE_TOL = 1e-2, 2e-2
@@ -77,7 +82,26 @@ def copies(nbytes: int, device: str) -> int:
     return max(1, min(math.ceil(ROTATE_BYTES / nbytes), MAX_ROTATE_BYTES // nbytes))
 
 
-def bench_gemv(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
+def bench_prefill(x, weights, dtype, device) -> dict:
+    """One FP8 x FP8 projection of x [M, K] (M > 64) against cuBLAS bf16 on the dequantized weight."""
+    q, scale = weights[0]
+    M, N, K = x.shape[0], q.shape[0], q.shape[1]
+    ref = x.float() @ dequantize(q, scale).T
+    xq, xs = quantize_rows(x)
+    act_ref = dequantize(xq, xs) @ dequantize(q, scale).T
+    out = lin.linear(x, q, scale)
+    row = {"M": M, "N": N, "K": K, "flops": 2 * M * N * K, "rel_err_vs_fp32": rel_err(out, act_ref)}
+    row["rel_err_vs_unquantized_activations"] = rel_err(out, ref)
+    row["check_ok"] = row["rel_err_vs_fp32"] < GEMV_TOL and row["rel_err_vs_unquantized_activations"] < 0.06
+    row["fp8_us"], row["timing"] = time_calls(lambda i: lin.linear(x, *weights[i]), len(weights), device, reps=5)
+    dense = dequantize(q, scale, dtype)
+    row["bf16_cublas_us"], _ = time_calls(lambda i: torch.nn.functional.linear(x, dense), 2, device, reps=5)
+    row["fp8_tflops"] = row["flops"] / row["fp8_us"] / 1e6
+    row["bf16_cublas_tflops"] = row["flops"] / row["bf16_cublas_us"] / 1e6
+    return row
+
+
+def bench_gemv(shapes, m_values, device, dtype, copy_gbs, prefill_m) -> list[dict]:
     rows = []
     for (N, K), names in shapes.items():
         q, scale = quantized((N, K), device, seed=N + K)
@@ -110,6 +134,21 @@ def bench_gemv(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
             print(
                 f"gemv {'|'.join(names):>32} M={M:<3} fp8 {row['fp8_us']:8.1f} us {row['fp8_pct_copy']:5.1f} % copy"
                 f"  err {row['rel_err_vs_fp32']:.1e}{'' if row['check_ok'] else '  CHECK FAILED'}",
+                flush=True,
+            )
+        if not any("lm_head" in name for name in names):
+            gen = torch.Generator(device=device).manual_seed(2)
+            x = torch.randn(prefill_m, K, device=device, generator=gen).to(dtype)
+            row = {"shapes": names, **bench_prefill(x, weights[:2], dtype, device)}
+            row["bytes"] = N * K + (prefill_m * K + prefill_m * N) * dtype.itemsize
+            row["fp8_gbs"] = row["bytes"] / row["fp8_us"] / 1e3
+            row["fp8_pct_copy"] = 100 * row["fp8_gbs"] / copy_gbs
+            rows.append(row)
+            print(
+                f"gemv {'|'.join(names):>32} M={prefill_m} fp8xfp8 {row['fp8_tflops']:6.1f} TFLOP/s, cuBLAS bf16 "
+                f"{row['bf16_cublas_tflops']:6.1f}  err {row['rel_err_vs_fp32']:.1e} "
+                f"(vs unquantized x {row['rel_err_vs_unquantized_activations']:.1e})"
+                f"{'' if row['check_ok'] else '  CHECK FAILED'}",
                 flush=True,
             )
         del weights, q, scale
@@ -220,9 +259,9 @@ def main():
     copy_gbs = copy_bandwidth_gbs(device)
     sections = {}
     if "gemv" in args.sections:
-        sections["gemv"] = bench_gemv(
-            SMOKE_GEMV if args.smoke else model_shapes(MODELS), m_values, device, dtype, copy_gbs
-        )
+        shapes = SMOKE_GEMV if args.smoke else model_shapes(MODELS)
+        prefill_m = SMOKE_PREFILL_M if args.smoke else PREFILL_M
+        sections["gemv"] = bench_gemv(shapes, m_values, device, dtype, copy_gbs, prefill_m)
     if "moe" in args.sections:
         sections["moe"] = bench_moe(SMOKE_MOE if args.smoke else MOE_SHAPES, m_values, device, dtype, copy_gbs)
     if "build" in args.sections:
