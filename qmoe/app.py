@@ -20,7 +20,7 @@ from qmoe.metrics.measure import (
     peak_memory,
     reset_peak_memory,
 )
-from qmoe.model import ModelConfig, Qwen35MoE, build_model, fp8_weight_names, weight_nbytes
+from qmoe.model import ModelConfig, Qwen35MoE, build_model, fp8_parameters, fp8_weight_names, weight_nbytes
 from qmoe.prompts import build_prompts, check_fits
 from qmoe.runtime.combos import resolve_cuda_graph
 from qmoe.runtime.generate import generate
@@ -266,7 +266,9 @@ def run_experiment(
             **ledger.summary(gen.decode_tokens),
             "setup": {**runtime_setup(runner, s.batch_size), "kernels": s.kernels},
         },
-        "bandwidth_floor": bandwidth_floor(mcfg, model.dtype, model.device, latency["decode_ms"]["p50"]),
+        "bandwidth_floor": bandwidth_floor(
+            mcfg, model.dtype, model.device, latency["decode_ms"]["p50"], fp8_parameters(model)
+        ),
         "memory": peak_memory(),
         "environment": environment(s.device),
     }

@@ -7,7 +7,7 @@ from compose import compose_config
 
 from kernels.fp8 import FP8, dequantize, quantize_rows, rows_from_blocks, rows_from_channels
 from qmoe import run_experiment
-from qmoe.model import build_model, fp8_weight_names, weight_nbytes
+from qmoe.model import build_model, fp8_parameters, fp8_weight_names, weight_nbytes
 from qmoe.settings import ConfigError, validate
 from tests.helpers import rel_err, tiny_config
 
@@ -159,3 +159,21 @@ def test_fp8_35b_dims_greedy_identical_across_runtimes():
         generate(runner, prompts, 4)  # warm-up: compiles, captures
         results[runtime] = generate(runner, prompts, 12).tokens
     assert results["host"] == results["reference"] == results["cuda_native"]
+
+
+def test_active_bytes_read_fp8_weights_at_their_size():
+    """The bandwidth floor's bytes: dense, the architecture's active parameter count in the dtype; FP8, each held
+    tensor at one byte per element plus its scales, the routed experts at top-k of E."""
+    from qmoe.metrics.measure import active_weight_bytes
+
+    fp8 = fp8_weight_names(ODD, "fp8")
+    assert active_weight_bytes(ODD, torch.bfloat16) == ODD.param_counts()["active"] * 2
+    model = build_model(ODD, torch.bfloat16, "cpu", seed=0, fp8=fp8)
+    params = dict(model.named_parameters())
+    expected = sum(
+        p.nbytes * (ODD.num_experts_per_tok / ODD.num_experts if ".experts." in n else 1)
+        for n, p in params.items()
+        if n != "embed_tokens.weight"
+    )
+    assert active_weight_bytes(ODD, torch.bfloat16, fp8) == expected
+    assert fp8_parameters(model) == fp8

@@ -367,12 +367,33 @@ def fp8_weight_names(cfg: ModelConfig, weights: str, stored_fp8=frozenset()) -> 
     return model.fp8_names(candidates)
 
 
-def weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) -> int:
-    """Bytes of every parameter (scales included) of build_model(cfg, dtype, fp8=fp8): what it allocates."""
+def _meta_params(cfg: ModelConfig, dtype: torch.dtype, fp8) -> dict:
     with torch.device("meta"):
         model = Qwen35MoE(cfg).to(dtype=dtype)
     model.use_fp8_(model.fp8_names(fp8))
-    return sum(p.nbytes for p in model.parameters())
+    return dict(model.named_parameters())
+
+
+def fp8_parameters(model: nn.Module) -> frozenset:
+    """The names of a model's parameters held in float8."""
+    return frozenset(name for name, p in model.named_parameters() if p.dtype == FP8)
+
+
+def weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) -> int:
+    """Bytes of every parameter (scales included) of build_model(cfg, dtype, fp8=fp8): what it allocates."""
+    return sum(p.nbytes for p in _meta_params(cfg, dtype, fp8).values())
+
+
+def active_weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) -> int:
+    """Bytes one decode step at batch 1 reads of build_model(cfg, dtype, fp8=fp8)'s parameters: all of them (scales
+    included) but the embedding (a row gather), the routed experts' top-k of E."""
+    total = 0
+    for name, p in _meta_params(cfg, dtype, fp8).items():
+        if name == "embed_tokens.weight":
+            continue
+        routed = ".mlp.experts." in name
+        total += p.nbytes * cfg.num_experts_per_tok // cfg.num_experts if routed else p.nbytes
+    return total
 
 
 def build_model(
