@@ -2,7 +2,7 @@
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, tune_gemv, bench_gemv, bench_sampling, bench_gdn,
-#         bench_attention, bench_norm, bench_checkpoint, bench_fp8, runtime, e2e.
+#         bench_attention, bench_norm, bench_checkpoint, bench_fp8, bench_checkpoint_fp8, runtime, e2e.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -50,6 +50,7 @@ except Exception as e:
     bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
     bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py ;;
+    bench_checkpoint_fp8) run_stage bench_checkpoint_fp8 python3 experiments/bench_checkpoint_load.py --device cuda --quant fp8_block ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
