@@ -17,11 +17,15 @@ check fails. Then:
          the bf16 block beside it.
   build  build_model(..., fp8=fp8_weight_names(cfg, "fp8")) at 35B and 122B dims on the GPU (random weights,
          quantized tensor by tensor): seconds, parameter bytes, peak allocated (the bf16 122B does not fit).
+  sweep  M = 1 launch configs for the FP8 GEMV (per projection shape) and the FP8 MoE GEMV pair (per model shape):
+         each candidate checked like the rows above, then timed; the winners go to results/bench_fp8_configs.json
+         in the kernels/*/configs table format (keys with float8_e4m3fn), ready to merge into the GPU's table.
 
     python experiments/bench_fp8.py [--out results/bench_fp8.json] [--sections gemv moe build] [--smoke]
 """
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -49,6 +53,7 @@ from qmoe.model import build_model, fp8_weight_names, weight_nbytes  # noqa: E40
 MODELS = {"35B": "qwen35_moe", "122B": "qwen35_moe_122b"}
 MOE_SHAPES = {"35B": dict(E=256, H=2048, I=512, K=8), "122B": dict(E=256, H=3072, I=1024, K=8)}
 M_VALUES = (1, 8, 64)
+SECTIONS = ["gemv", "moe", "sweep", "build"]
 PREFILL_M = 4096
 SMOKE_GEMV = {(70, 300): ["smoke a"], (33, 136): ["smoke b"]}
 SMOKE_MOE = {"smoke": dict(E=8, H=160, I=136, K=2)}
@@ -215,6 +220,82 @@ def bench_moe(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
     return rows
 
 
+GEMV_CANDIDATES = [(4, 128, 4), (8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 128, 8), (32, 128, 8), (16, 64, 4)]
+MOE_UP_CANDIDATES = [(8, 128), (16, 128), (32, 128)]
+MOE_DOWN_CANDIDATES = [(2, 128), (4, 128), (8, 128)]
+
+
+def sweep_gemv_shape(N, K, device, dtype) -> tuple[dict | None, float, float]:
+    """M = 1, one shape: every GEMV_CANDIDATES tile, checked then timed -> (best config, its µs, the default's µs)."""
+    q, scale = quantized((N, K), device, seed=N + K)
+    weights = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(copies(N * K, device) - 1)]
+    x = torch.randn(1, K, device=device).to(dtype)
+    ref = torch.cat([x.float() @ dequantize(q[i : i + 32768], scale[i : i + 32768]).T for i in range(0, N, 32768)], -1)
+    out = torch.empty(1, N, device=device, dtype=dtype)
+    timed = []
+    for bn, bk, warps in GEMV_CANDIDATES:
+        cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=warps, num_stages=1)
+        out.fill_(float("nan"))
+        err = rel_err(lin.linear_into(x, q, out, config=cfg, scale=scale), ref)
+        if not err < GEMV_TOL:
+            print(f"sweep gemv N={N} K={K} {cfg}: WRONG (rel err {err:.1e})", flush=True)
+            continue
+        call = lambda i, cfg=cfg: lin.linear_into(x, weights[i][0], out, cfg, scale=weights[i][1])
+        timed.append((time_calls(call, len(weights), device)[0], cfg))
+    default_us, _ = time_calls(lambda i: lin.linear(x, *weights[i]), len(weights), device)
+    us, best = min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
+    return best, us, default_us
+
+
+def sweep_moe_shape(s, device, dtype) -> tuple[dict | None, float, float]:
+    """M = 1, one shape: every (up, down) candidate pair, checked then timed -> (best, its µs, the default's µs)."""
+    E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+    weights = [quantized((E, 2 * I, H), device, 1), quantized((E, H, I), device, 2), quantized((H, I), device, 3)]
+    fp8, scales = [w for w, _ in weights], [sc for _, sc in weights]
+    inputs = make_inputs(1, s, "uniform", 16 if device == "cuda" else 2, dtype, device)
+    ref = moe_naive.moe_block(inputs[0][0].float(), inputs[0][1].float(), *(dequantize(*w) for w in weights), K)
+    timed = []
+    for (up_n, up_k), (down_n, down_k) in [(u, d) for u in MOE_UP_CANDIDATES for d in MOE_DOWN_CANDIDATES]:
+        cfg = {
+            "BLOCK_M": 1,
+            "up": {"BLOCK_N": up_n, "BLOCK_K": up_k, "num_warps": 4, "num_stages": 2},
+            "down": {"BLOCK_N": down_n, "BLOCK_K": down_k, "num_warps": 4, "num_stages": 2},
+        }
+        err = rel_err(moe.moe_block_decode(*inputs[0], *fp8, K, cfg, None, *scales), ref)
+        if not err < MOE_TOL:
+            print(f"sweep moe {cfg}: WRONG (rel err {err:.1e})", flush=True)
+            continue
+        call = lambda i, cfg=cfg: moe.moe_block_decode(*inputs[i], *fp8, K, cfg, None, *scales)
+        timed.append((time_calls(call, len(inputs), device)[0], cfg))
+    default_us, _ = time_calls(lambda i: moe.moe_block(*inputs[i], *fp8, K, *scales), len(inputs), device)
+    us, best = min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
+    return best, us, default_us
+
+
+def sweep(gemv_shapes, moe_shapes, device, dtype) -> tuple[list[dict], dict]:
+    """M = 1 launch configs -> (rows, {"linear": table entries, "moe": table entries}) for the winners."""
+    rows, table = [], {"linear": {}, "moe": {}}
+    for (N, K), names in gemv_shapes.items():
+        best, us, default_us = sweep_gemv_shape(N, K, device, dtype)
+        rows.append(
+            {"op": "gemv", "shapes": names, "N": N, "K": K, "best": best, "best_us": us, "default_us": default_us}
+        )
+        if best:
+            table["linear"][lin.shape_key(N, K, FP8)] = {"1": best}
+        print(f"sweep gemv {'|'.join(names):>32}: best {us:7.1f} us (default {default_us:7.1f}) {best}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for name, s in moe_shapes.items():
+        best, us, default_us = sweep_moe_shape(s, device, dtype)
+        rows.append({"op": "moe", "shape": name, "best": best, "best_us": us, "default_us": default_us})
+        if best:
+            table["moe"][moe.shape_key(s["E"], s["H"], s["I"], FP8)] = {"1": best}
+        print(f"sweep moe {name}: best {us:7.1f} us (default {default_us:7.1f}) {best}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows, table
+
+
 def bench_build(models, device, dtype) -> list[dict]:
     rows = []
     for tag, model in models.items():
@@ -249,7 +330,7 @@ def bench_build(models, device, dtype) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/bench_fp8.json")
-    parser.add_argument("--sections", nargs="+", default=["gemv", "moe", "build"], choices=["gemv", "moe", "build"])
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script only)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -264,6 +345,12 @@ def main():
         sections["gemv"] = bench_gemv(shapes, m_values, device, dtype, copy_gbs, prefill_m)
     if "moe" in args.sections:
         sections["moe"] = bench_moe(SMOKE_MOE if args.smoke else MOE_SHAPES, m_values, device, dtype, copy_gbs)
+    if "sweep" in args.sections:
+        gemv_shapes = SMOKE_GEMV if args.smoke else model_shapes(MODELS)
+        sections["sweep"], table = sweep(gemv_shapes, SMOKE_MOE if args.smoke else MOE_SHAPES, device, dtype)
+        configs_out = Path(args.out).with_name(Path(args.out).stem + "_configs.json")
+        configs_out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"sweep winners -> {configs_out}")
     if "build" in args.sections:
         sections["build"] = bench_build({"tiny": "qwen35_moe_tiny"} if args.smoke else MODELS, device, dtype)
 
