@@ -490,15 +490,16 @@ def _checked_plan(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[_Pl
     return _plan(cfg, tensors, dtype, read_quantization(path)), tensors, files
 
 
-def held_fp8(cfg: ModelConfig, plan: _Plan, weights: str, device) -> frozenset:
-    """The parameters the loaded model holds in FP8 (fp8_weight_names of model.weights and the stored FP8 set).
-    On a GPU without FP8 (compute capability < 8.9) an FP8 checkpoint is dequantized on load, with a notice."""
+def lacks_fp8(device) -> bool:
+    """A GPU without FP8 (compute capability < 8.9): FP8 checkpoints are dequantized on load there."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        if plan.stored_fp8:
-            log.warning(f"{torch.cuda.get_device_name(device)} has no FP8 support: FP8 weights dequantized on load")
-        return frozenset()
-    return fp8_weight_names(cfg, weights, plan.stored_fp8)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def held_fp8(cfg: ModelConfig, plan: _Plan, weights: str, device) -> frozenset:
+    """The parameters the loaded model holds in FP8 (fp8_weight_names of model.weights and the stored FP8 set);
+    none on a GPU without FP8."""
+    return frozenset() if lacks_fp8(device) else fp8_weight_names(cfg, weights, plan.stored_fp8)
 
 
 def checkpoint_fp8_names(path, cfg: ModelConfig, weights: str = "auto", device="cpu") -> frozenset:
@@ -535,6 +536,8 @@ def load_checkpoint(
     hashes = file_hashes(path, files, shard_identity)
 
     fp8 = held_fp8(cfg, plan, weights, device)
+    if plan.stored_fp8 and lacks_fp8(device):
+        log.warning(f"{torch.cuda.get_device_name(device)} has no FP8 support: FP8 weights dequantized on load")
     model = build_model(cfg, dtype, device, seed=None, fp8=fp8)
     _fill(model, path, plan, tensors, progress)
     if model.device.type == "cuda":
