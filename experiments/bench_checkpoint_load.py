@@ -2,6 +2,7 @@
 fused experts, `model.language_model.` prefix, 5 GB shards) loaded to the CPU or GPU.
 
     python experiments/bench_checkpoint_load.py [--dir /tmp/qmoe_ckpt_35b_l4] [--device cuda|cpu] [--out PATH]
+        [--quant none|fp8_block|fp8_channel]   (an FP8 checkpoint in that layout; default dir and out get a suffix)
 
 Writes the checkpoint first if --dir has none. Every load runs in a fresh process so its RSS is its own:
   qmoe cold   load_checkpoint after posix_fadvise(DONTNEED) drops the shards from the page cache (read from disk)
@@ -123,13 +124,17 @@ def run_child(mode: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/qmoe_ckpt_35b_l4"))
+    parser.add_argument("--dir", type=Path, default=None, help="default /tmp/qmoe_ckpt_35b_l4[_<quant>]")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="qwen35_moe")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_checkpoint_load.json")
+    parser.add_argument("--out", type=Path, default=None, help="default results/bench_checkpoint_load[_<quant>].json")
+    parser.add_argument("--quant", default="none", choices=["none", "fp8_block", "fp8_channel"])
     parser.add_argument("--child", choices=["cold", "warm", "baseline"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    suffix = "" if args.quant == "none" else f"_{args.quant}"
+    args.dir = args.dir or Path(f"/tmp/qmoe_ckpt_35b_l4{suffix}")
+    args.out = args.out or REPO_ROOT / "results" / f"bench_checkpoint_load{suffix}.json"
     dtype = torch.bfloat16
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.device, dtype)))
@@ -140,7 +145,7 @@ def main() -> None:
     if not (args.dir / "model.safetensors.index.json").is_file():
         cfg = model_config(args.model, args.layers)
         start = time.perf_counter()
-        write_checkpoint(cfg, args.dir, seed=0, dtype=dtype, device=args.device, progress=True)
+        write_checkpoint(cfg, args.dir, seed=0, dtype=dtype, device=args.device, progress=True, quant=args.quant)
         write_seconds = time.perf_counter() - start
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -181,7 +186,13 @@ def main() -> None:
         **environment(torch.device(args.device)),
         "name": "bench_checkpoint_load",
         "cpu_cores": os.cpu_count(),
-        "checkpoint": {"dir": str(args.dir), "bytes": total_bytes, "shards": len(files), "write_s": write_seconds},
+        "checkpoint": {
+            "dir": str(args.dir),
+            "quant": args.quant,
+            "bytes": total_bytes,
+            "shards": len(files),
+            "write_s": write_seconds,
+        },
         "ceilings": ceilings,
         "rows": rows,
         "targets": targets,

@@ -2,7 +2,8 @@
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
-#         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, runtime, e2e, profile, pdl.
+#         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
+#         bench_checkpoint_fp8, runtime, e2e, profile, pdl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -50,6 +51,8 @@ except Exception as e:
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;
     bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
+    bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py ;;
+    bench_checkpoint_fp8) run_stage bench_checkpoint_fp8 python3 experiments/bench_checkpoint_load.py --device cuda --quant fp8_block ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
     profile) run_stage profile python3 experiments/bench_e2e.py --profile-only ;;

@@ -19,9 +19,8 @@ from qmoe.metrics.measure import (
     latency_stats,
     peak_memory,
     reset_peak_memory,
-    weight_bytes,
 )
-from qmoe.model import ModelConfig, Qwen35MoE, build_model
+from qmoe.model import ModelConfig, Qwen35MoE, build_model, fp8_parameters, fp8_weight_names, weight_nbytes
 from qmoe.prompts import build_prompts, check_fits
 from qmoe.runtime.combos import resolve_cuda_graph
 from qmoe.runtime.generate import generate
@@ -43,11 +42,11 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C before a single decode step was measured: there is nothing to write."""
 
 
-def check_memory(config: ModelConfig, s: Settings, name: str) -> None:
+def check_memory(config: ModelConfig, s: Settings, name: str, fp8=frozenset()) -> None:
     """Refuse, before anything is allocated, weights larger than the device's free memory."""
-    needed, available = weight_bytes(config, s.dtype), available_memory_bytes(s.device)
+    needed, available = weight_nbytes(config, s.dtype, fp8), available_memory_bytes(s.device)
     if needed > available:
-        dtype = str(s.dtype).removeprefix("torch.")
+        dtype = str(s.dtype).removeprefix("torch.") + (" + fp8" if fp8 else "")
         raise ConfigError(
             f"model: {name} needs {needed / 1e9:.1f} GB for its {dtype} weights on {s.device}, "
             f"{available / 1e9:.1f} GB available (choose a smaller model, model.dtype or model.device)"
@@ -76,12 +75,13 @@ class ModelCache:
                 "checkpoint",
                 str(Path(s.checkpoint).resolve()),
                 s.dtype,
+                s.weights,
                 str(s.device),
                 repr(sorted(overrides.items())),
             )
         else:
             arch = OmegaConf.to_container(cfg.model.arch)
-            key = ("random", repr(sorted(arch.items())), int(cfg.model.seed), s.dtype, str(s.device))
+            key = ("random", repr(sorted(arch.items())), int(cfg.model.seed), s.dtype, s.weights, str(s.device))
         if key != self._key:
             self.clear()  # free the old weights before the new ones are allocated
             self._loaded, self._key = self._load(cfg, s, overrides, progress), key
@@ -92,20 +92,28 @@ class ModelCache:
         name = str(cfg.model.get("name", "the model"))
         if s.checkpoint is not None:
             from qmoe.checkpoint import load_checkpoint, load_tokenizer
-            from qmoe.checkpoint.loader import read_config
+            from qmoe.checkpoint.loader import checkpoint_fp8_names, read_config
 
-            check_memory(read_config(s.checkpoint, overrides), s, s.checkpoint)
+            config = read_config(s.checkpoint, overrides)
+            check_memory(config, s, s.checkpoint, checkpoint_fp8_names(s.checkpoint, config, s.weights, s.device))
             model, info = load_checkpoint(
-                s.checkpoint, dtype=s.dtype, device=s.device, arch_overrides=overrides, progress=progress
+                s.checkpoint,
+                dtype=s.dtype,
+                device=s.device,
+                arch_overrides=overrides,
+                progress=progress,
+                weights=s.weights,
             )
             return LoadedModel(model, {"kind": "checkpoint", **info.to_dict()}, load_tokenizer(s.checkpoint))
         try:
             model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model.arch))
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-        check_memory(model_cfg, s, name)
-        model = build_model(model_cfg, s.dtype, s.device, seed=int(cfg.model.seed), progress=progress)
-        return LoadedModel(model, {"kind": "random", "seed": int(cfg.model.seed), "arch": model_cfg.to_dict()}, None)
+        fp8 = fp8_weight_names(model_cfg, s.weights)
+        check_memory(model_cfg, s, name, fp8)
+        model = build_model(model_cfg, s.dtype, s.device, seed=int(cfg.model.seed), progress=progress, fp8=fp8)
+        identity = {"kind": "random", "seed": int(cfg.model.seed), "arch": model_cfg.to_dict(), "fp8": len(fp8) > 0}
+        return LoadedModel(model, identity, None)
 
 
 # The process's cache: what run.py's multirun jobs share (see ModelCache for why that is safe).
@@ -258,7 +266,9 @@ def run_experiment(
             **ledger.summary(gen.decode_tokens),
             "setup": {**runtime_setup(runner, s.batch_size), "kernels": s.kernels},
         },
-        "bandwidth_floor": bandwidth_floor(mcfg, model.dtype, model.device, latency["decode_ms"]["p50"]),
+        "bandwidth_floor": bandwidth_floor(
+            mcfg, model.dtype, model.device, latency["decode_ms"]["p50"], fp8_parameters(model)
+        ),
         "memory": peak_memory(),
         "environment": environment(s.device),
     }
@@ -305,8 +315,10 @@ def summary_table(results: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     export = f"{setup['preset']} / {setup['method_split']}" if "preset" in setup else "- (eager model, no export)"
+    weights = cfg["model"].get("weights", "auto")
+    kind = results["model"]["weights"]["kind"] + ("" if weights == "auto" else f", {weights}")
     rows = [
-        ("model", f"{cfg['model']['name']} ({cfg['model']['dtype']}, {results['model']['weights']['kind']} weights)"),
+        ("model", f"{cfg['model']['name']} ({cfg['model']['dtype']}, {kind} weights)"),
         ("device", f"{env['device']} ({env['device_name']})"),
         (
             "runtime",

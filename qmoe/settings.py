@@ -16,6 +16,7 @@ from qmoe.runtime.combos import device_error
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNTIMES = ("reference", "host", "cuda_native")
+WEIGHTS = ("auto", "dense", "fp8")  # as stored (random: dense) | all in model.dtype | projections and experts in FP8
 LOGGERS = ("wandb", "none")
 
 
@@ -67,6 +68,7 @@ class SamplingSettings:
 class Settings:
     dtype: torch.dtype
     device: torch.device
+    weights: str  # WEIGHTS
     max_seq_len: int
     checkpoint: str | None
     runtime: str
@@ -165,6 +167,16 @@ def validate(cfg: DictConfig) -> Settings:
     dtype = OmegaConf.select(cfg, "model.dtype")
     require(dtype in DTYPES, "model.dtype", f"must be one of {', '.join(DTYPES)}", dtype)
     device = resolve_device(OmegaConf.select(cfg, "model.device"))
+    weights = OmegaConf.select(cfg, "model.weights")
+    require(weights in WEIGHTS, "model.weights", f"must be one of {', '.join(WEIGHTS)}", weights)
+    if weights == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        require(
+            capability >= (8, 9),
+            "model.weights",
+            f"fp8 needs a GPU with FP8 (compute capability >= 8.9), this one is {capability[0]}.{capability[1]}; "
+            "use auto or dense",
+        )
     checkpoint = OmegaConf.select(cfg, "model.checkpoint")
     require(checkpoint is None or isinstance(checkpoint, str), "model.checkpoint", "must be a directory path or null")
 
@@ -196,6 +208,7 @@ def validate(cfg: DictConfig) -> Settings:
     return Settings(
         dtype=DTYPES[dtype],
         device=device,
+        weights=weights,
         max_seq_len=_int(cfg, "model.max_seq_len", 1),
         checkpoint=checkpoint,
         runtime=runtime,

@@ -3,24 +3,33 @@
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import dequantize
 from kernels.norm import naive as norm_naive
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype."""
-    return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype. With `scale` ([N, ceil(K / 128)], kernels/fp8.py)
+    the weight is fp8, dequantized to x's dtype first."""
+    return F.linear(x, weight if scale is None else dequantize(weight, scale, x.dtype))
 
 
-def linear_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x, weight) written into `out` [..., N] (contiguous, x's dtype): the out-variant an exported method
-    uses to compute its output straight into the planned buffer."""
+def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous, x's dtype): the
+    out-variant an exported method uses to compute its output straight into the planned buffer."""
+    *scale, out = scale_out
+    weight = weight if not scale else dequantize(weight, scale[0], x.dtype)
     return torch.matmul(x, weight.t(), out=out)
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The add + RMSNorm before a projection, and the projection -> (linear(normed, weight), normed, hidden):
-    hidden = x + residual (the new residual stream), normed = rms_norm(hidden, norm_weight, eps)."""
+    """The add + RMSNorm before a projection, and the projection -> (linear(normed, weight[, scale]), normed,
+    hidden): hidden = x + residual (the new residual stream), normed = rms_norm(hidden, norm_weight, eps)."""
     normed, hidden = norm_naive.add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(normed, weight), normed, hidden
+    return linear(normed, weight, scale), normed, hidden

@@ -16,12 +16,24 @@ graphs capture it like any other temporary); nothing persists between calls.
 Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS already runs near the tensor-core
 ceiling.
 
+FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
+kernel with SCALED: each BLOCK_K step (BLOCK_K <= 128, so it lies in one scale block) loads one scale per row and
+applies it in registers: the GEMV multiplies w * x by it, the dot path converts the tile to x's dtype (exact: e4m3
+fits bf16 and fp16) and scales the step's [BLOCK_M, BLOCK_N] product; fp32 accumulation either way. Above 64 rows
+(prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
+weights' rule; Triton's interpreter converts to fp8 wrongly near powers of two, so a Triton pre-pass could not be
+checked on the CPU) and the dot path runs with ACT_FP8 on the fp8 tensor cores, each step's product scaled by the
+token's and the row's scales. Its error is the activations' quantization: ~2^-4 / sqrt(3) relative per element, a
+few % of a projection (tests bound it). QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs
+F.linear in x's dtype.
+
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
 QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
 time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an eager call does a dict lookup
 and one launch (two with split-K).
 """
 
+import os
 from pathlib import Path
 
 import torch
@@ -30,6 +42,8 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_rows
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -41,6 +55,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 REDUCE_BLOCK = 1024
+# M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
+FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -57,13 +74,14 @@ def m_bucket(M: int) -> int:
 CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_GEMV_DEFAULT_CONFIGS")
 
 
-def default_config(M: int, N: int, K: int, num_sms: int) -> dict:
-    """A reasoned config for shapes the table does not cover. M = 1: tiles of 4096 elements (32 per thread, four
-    16-byte loads of bf16 each) and BLOCK_N halved until there are >= 4 programs per SM. M > 1: a dot tile
-    BLOCK_N = 64 halved (to 16) and then split along K until there are >= 2 programs per SM."""
+def default_config(M: int, N: int, K: int, num_sms: int, fp8: bool = False) -> dict:
+    """A reasoned config for shapes the table does not cover. M = 1: tiles of 8 KB (32 bf16 per thread, four
+    16-byte loads each; fp8: BLOCK_K = 128, one scale block, 8192 elements) and BLOCK_N halved until there are
+    >= 4 programs per SM. M > 1: a dot tile BLOCK_N = 64 halved (to 16) and then split along K until there are
+    >= 2 programs per SM."""
     if M == 1:
-        block_k = min(512, max(16, triton.next_power_of_2(K)))
-        block_n = max(1, 4096 // block_k)
+        block_k = min(SCALE_BLOCK_K if fp8 else 512, max(16, triton.next_power_of_2(K)))
+        block_n = max(1, (8192 if fp8 else 4096) // block_k)
         while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
             block_n //= 2
         return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
@@ -79,11 +97,12 @@ def default_config(M: int, N: int, K: int, num_sms: int) -> dict:
 
 
 def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict:
+    """dtype: the weight's (float8_e4m3fn keys the FP8 entries)."""
     tuned = CONFIG_TABLE.get(shape_key(N, K, dtype), {}).get(str(m_bucket(M)))
-    return tuned or default_config(M, N, K, num_sms)
+    return tuned or default_config(M, N, K, num_sms, fp8=dtype == FP8)
 
 
-def check_config(config: dict) -> None:
+def check_config(config: dict, fp8: bool = False) -> None:
     """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
     if sorted(config) != sorted(CONFIG_KEYS):
         raise ValueError(f"linear config needs exactly the keys {CONFIG_KEYS}, got {sorted(config)}")
@@ -94,20 +113,22 @@ def check_config(config: dict) -> None:
         raise ValueError(f"linear config: the dot path (BLOCK_M > 1) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16: {config}")
     if config["SPLIT_K"] < 1:
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
+    if fp8 and bk > SCALE_BLOCK_K:
+        raise ValueError(f"linear config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
 
 
-def make_plan(M: int, N: int, K: int, config: dict) -> tuple:
+def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: bool = False) -> tuple:
     """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
     The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
     splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short."""
-    check_config(config)
+    check_config(config, fp8)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
     split = triton.cdiv(k_blocks, blocks_per_split)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, ACT_FP8=act_fp8,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
@@ -117,11 +138,12 @@ _PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the 
 
 
 def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """dtype: x's, or float8_e4m3fn for fp8 weights."""
     key = (N, K, dtype, M)
     plan = _PLANS.get(key)
     if plan is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms))
+        plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms), fp8=dtype == FP8)
     return plan
 
 
@@ -163,14 +185,16 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask,
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split, SPLIT,
+    x_ptr, w_ptr, out_ptr, s_ptr, xs_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, k_per_split, SPLIT,
     res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACT_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
-    of the first N tile also write normed and the new residual for the layer's other readers)."""
+    of the first N tile also write normed and the new residual for the layer's other readers).
+    SCALED: w is fp8 with s [N, ceil(K / 128)] fp32; BLOCK_K <= 128 divides 128, so step k is in scale block
+    k // 128 (s_ptr is unused otherwise). ACT_FP8 (dot path, with SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -188,6 +212,7 @@ def _linear_kernel(
     row_mask = offs_m < M
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # [BLOCK_M]; rows past M re-read row M - 1
     write_normed = pid_n == 0
+    s_ptrs = s_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_sn  # [BLOCK_N], at K block 0
     if BLOCK_M == 1:
         x_ptrs = x_ptr + x_rows * stride_xm + offs_k[None, :]  # [1, BLOCK_K]
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
@@ -208,6 +233,8 @@ def _linear_kernel(
         else:
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         acc = w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if SCALED:
+            acc = acc * tl.load(s_ptrs + k_start // 128)[:, None]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -223,7 +250,10 @@ def _linear_kernel(
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)
+            if SCALED:
+                acc += (w.to(tl.float32) * x.to(tl.float32)) * tl.load(s_ptrs + k // 128)[:, None]
+            else:
+                acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)  # [BLOCK_N]: one reduction over K, after the loop
@@ -244,7 +274,17 @@ def _linear_kernel(
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            if x.dtype == tl.float32:  # fp32 stays fp32 (no tf32), so the fp32 model matches the torch path
+            if ACT_FP8:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
+                scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
+                x_scale = tl.load(xs_ptr + x_rows * stride_xsm + k // 128)  # [BLOCK_M]
+                acc += tl.dot(x, w) * (x_scale[:, None] * scale[None, :])
+            elif SCALED:  # e4m3 -> x's dtype is exact; the scale applies to this step's product
+                scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
+                if x.dtype == tl.float32:
+                    acc += tl.dot(x, w.to(tl.float32), input_precision="ieee") * scale[None, :]
+                else:
+                    acc += tl.dot(x, w.to(x.dtype)) * scale[None, :]
+            elif x.dtype == tl.float32:  # fp32 stays fp32 (no tf32), so the fp32 model matches the torch path
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
@@ -275,7 +315,7 @@ def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr, PDL:
 # ----------------------------------------------------------------------------------------------- launchers
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear: weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {weight.shape}")
     if weight.stride(1) != 1:
@@ -283,23 +323,39 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
             f"linear: weight rows must be contiguous (weight.stride(1) == 1), got strides {weight.stride()}; "
             "pass weight.contiguous() or a row slice of a contiguous buffer"
         )
-    if x.dtype != weight.dtype:
+    if scale is None and x.dtype != weight.dtype:
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}; both must have the same dtype")
+    if scale is not None:
+        want = (weight.shape[0], k_blocks(weight.shape[1]))
+        if weight.dtype != FP8 or scale.dtype != torch.float32 or tuple(scale.shape) != want or scale.stride(1) != 1:
+            raise ValueError(
+                f"linear: a scaled weight is float8_e4m3fn [N, K] with a row-contiguous float32 scale {list(want)}, "
+                f"got {weight.dtype} {list(weight.shape)} and {scale.dtype} {list(scale.shape)}"
+            )
 
 
-def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch.Tensor:
-    """out [M, N] (contiguous, x's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
+def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale=None, norm=None) -> torch.Tensor:
+    """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
-    NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None).
+    NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None);
+    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight; x_scale: x is fp8 too (quantize_rows), with
+    these [M, ceil(K / 128)] scales (the dot path only: config BLOCK_M >= 16).
     norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]), GEMV configs (BLOCK_M = 1) only:
     x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
     to hidden."""
     M, K = x.shape
     N = weight.shape[0]
+    fp8, act_fp8 = scale is not None, x_scale is not None
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
+    if act_fp8 and (not fp8 or (config or {}).get("BLOCK_M", 16) < 16):
+        raise ValueError("linear_into: fp8 activations need an fp8 weight and the dot path (BLOCK_M >= 16)")
     grid, split, k_per_split, meta = (
-        cached_plan(M, N, K, x.dtype, x.device) if config is None else make_plan(M, N, K, config)
+        cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
+        if config is None
+        else make_plan(M, N, K, config, fp8, act_fp8)
     )
+    s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
+    xs, stride_xsm = (x_scale, x_scale.stride(0)) if act_fp8 else (s, 0)  # xs unused without ACT_FP8
     if norm is None:
         residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
     elif meta["BLOCK_M"] != 1:
@@ -311,7 +367,8 @@ def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch
     if split > 1 and workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](
-        x, weight, out if split == 1 else workspace, M, N, K, x.stride(0), weight.stride(0), k_per_split, split,
+        x, weight, out if split == 1 else workspace, s, xs, M, N, K,
+        x.stride(0), weight.stride(0), stride_sn, stride_xsm, k_per_split, split,
         residual, norm_weight, normed, hidden, residual.stride(0), eps,
         NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
     )  # fmt: skip
@@ -322,72 +379,91 @@ def linear_into(x, weight, out, config=None, workspace=None, norm=None) -> torch
     return out
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    _check(x, weight)
+def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
+    _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
+    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+        rows = x.reshape(M, K)
+        x_q, x_scale = quantize_rows(rows)  # per (token, 128-wide group): the weights' rule, a torch pre-pass
+        linear_into(x_q, weight, out.view(M, N), FP8_PREFILL_CONFIG, scale=scale, x_scale=x_scale)
+        return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
+        weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    linear_into(x.reshape(M, K), weight, out.view(M, N))
+    linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale)
     return out.view(*x.shape[:-1], N)
 
 
-def linear_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x, weight) written into `out` [..., N] (contiguous, x's dtype): the out-variant an exported method
-    uses to compute its output straight into the planned buffer (naive.linear_into's semantics)."""
-    return _linear(x, weight, out)
+def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous, x's dtype): the
+    out-variant an exported method uses to compute its output straight into the planned buffer."""
+    *scale, out = scale_out
+    return _linear(x, weight, out, scale[0] if scale else None)
 
 
 @torch.library.custom_op("qmoe::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _linear(x, weight)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    return _linear(x, weight, scale=scale)
 
 
 @_linear_op.register_fake
-def _(x, weight):
+def _(x, weight, scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _add_rms_norm_linear(x, residual, norm_weight, eps, weight):
-    _check(x, weight)
+def _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
+    _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, x.dtype, x.device)[3]["BLOCK_M"] != 1:
+    plan_dtype = x.dtype if scale is None else weight.dtype
+    if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, plan_dtype, x.device)[3]["BLOCK_M"] != 1:
         # A tile of rows: each program would normalise [BLOCK_M, K] from L2 per K block (measured slower at
         # M = 8 than the norm kernel), so the norm kernel runs first, then the projection.
         normed, hidden = norm_triton.add_rms_norm(x, residual, norm_weight, eps)
-        return _linear(normed, weight), normed, hidden
+        return _linear(normed, weight, scale=scale), normed, hidden
     out = x.new_empty(M, N)
     normed, hidden = x.new_empty(x.shape), x.new_empty(x.shape)
     norm = (residual.reshape(M, K), norm_weight, eps, normed.view(M, K), hidden.view(M, K))
-    linear_into(x.reshape(M, K), weight, out, norm=norm)
+    linear_into(x.reshape(M, K), weight, out, scale=scale, norm=norm)
     return out.view(*x.shape[:-1], N), normed, hidden
 
 
 @torch.library.custom_op("qmoe::add_rms_norm_linear", mutates_args=())
 def _add_rms_norm_linear_op(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+    return _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale)
 
 
 @_add_rms_norm_linear_op.register_fake
-def _(x, residual, norm_weight, eps, weight):
+def _(x, residual, norm_weight, eps, weight, scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x), torch.empty_like(x)
 
 
-def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
-    """naive.add_rms_norm_linear: (linear(normed, weight), normed, hidden) with hidden = x + residual and
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
+    """naive.add_rms_norm_linear: (linear(normed, weight[, scale]), normed, hidden) with hidden = x + residual and
     normed = rms_norm(hidden) * (1 + norm_weight). On the GEMV path (M = 1; any M the table runs as GEMVs) the add
     and the norm run in its prologue (one launch: every program normalises its row; the first N tile's programs
     write normed and hidden); else the norm kernel, then the projection (Triton up to 64 rows, cuBLAS above)."""
-    op = _add_rms_norm_linear_op if kernels.tracing() else _add_rms_norm_linear
-    return op(x, residual, norm_weight, eps, weight)
+    if kernels.tracing():
+        args = (x, residual, norm_weight, eps, weight) + (() if scale is None else (scale,))
+        return _add_rms_norm_linear_op(*args)
+    return _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (naive.linear's semantics; fp32 accumulation).
     weight rows must be contiguous (stride(1) == 1; any row stride, e.g. a row slice of a fused buffer); x may
-    be any view. Through the custom op only while torch.export traces; eager calls launch directly."""
-    return _linear_op(x, weight) if kernels.tracing() else _linear(x, weight)
+    be any view. scale: weight is fp8 (kernels/fp8.py). Through the custom op only while torch.export traces
+    (the scale passed only when there is one, so dense graphs are unchanged); eager calls launch directly."""
+    if kernels.tracing():
+        return _linear_op(x, weight) if scale is None else _linear_op(x, weight, scale)
+    return _linear(x, weight, scale=scale)

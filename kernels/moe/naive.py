@@ -6,6 +6,8 @@ Shapes: M tokens, H hidden, E experts, I expert intermediate, K experts per toke
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import dequantize
+
 # Up to this many (token, expert) pairs the experts run as one gather + batched matmul: no host sync and
 # static shapes, so decode steps can be captured; above it, one matmul per expert that has tokens.
 GATHER_MAX_PAIRS = 256
@@ -24,14 +26,21 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [M, K]
     topk_ids: torch.Tensor,  # [M, K]
+    w13_scale: torch.Tensor | None = None,  # [E, 2I, ceil(H / 128)] when w13 is fp8 (kernels/fp8.py)
+    w2_scale: torch.Tensor | None = None,  # [E, H, ceil(I / 128)] when w2 is fp8
 ) -> torch.Tensor:
-    """sum_k topk_weights[:, k] * w2[e] @ (silu(gate) * up), e = topk_ids[:, k] -> [M, H] in x's dtype."""
+    """sum_k topk_weights[:, k] * w2[e] @ (silu(gate) * up), e = topk_ids[:, k] -> [M, H] in x's dtype.
+    fp8 experts are dequantized to x's dtype, only those used."""
     M, K = topk_ids.shape
     weights = topk_weights.to(x.dtype)
+
+    def expert_weights(w, scale, ids):  # w[ids] in x's dtype
+        return w[ids] if scale is None else dequantize(w[ids], scale[ids], x.dtype)
+
     if M * K <= GATHER_MAX_PAIRS:
-        gate_up = torch.einsum("mh,mkoh->mko", x, w13[topk_ids])  # [M, K, 2I]
+        gate_up = torch.einsum("mh,mkoh->mko", x, expert_weights(w13, w13_scale, topk_ids))  # [M, K, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
-        down = torch.einsum("mki,mkhi->mkh", F.silu(gate) * up, w2[topk_ids])  # [M, K, H]
+        down = torch.einsum("mki,mkhi->mkh", F.silu(gate) * up, expert_weights(w2, w2_scale, topk_ids))  # [M, K, H]
         return (down * weights[..., None]).sum(1)
     out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()
@@ -44,8 +53,8 @@ def fused_moe(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // K
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = F.linear(x[tokens], expert_weights(w13, w13_scale, expert)).chunk(2, dim=-1)
+        down = F.linear(F.silu(gate) * up, expert_weights(w2, w2_scale, expert))
         out.index_add_(0, tokens, down * weights.flatten()[pairs, None])
     return out
 
@@ -56,9 +65,10 @@ def split_projection(proj: torch.Tensor, num_experts: int, shared_intermediate: 
     return proj.split([num_experts, shared_intermediate, shared_intermediate, 1], dim=-1)
 
 
-def shared_expert(gate: torch.Tensor, up: torch.Tensor, down_proj: torch.Tensor, gate_logit: torch.Tensor):
-    """sigmoid(gate_logit) * down(silu(gate) * up) -> [M, H]."""
-    return torch.sigmoid(gate_logit) * F.linear(F.silu(gate) * up, down_proj)
+def shared_expert(gate, up, down_proj, gate_logit, down_scale=None):
+    """sigmoid(gate_logit) * down(silu(gate) * up) -> [M, H] (down_proj fp8 when down_scale is given)."""
+    down = down_proj if down_scale is None else dequantize(down_proj, down_scale, gate.dtype)
+    return torch.sigmoid(gate_logit) * F.linear(F.silu(gate) * up, down)
 
 
 def moe_block(
@@ -68,8 +78,12 @@ def moe_block(
     w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
     top_k: int,
+    w13_scale: torch.Tensor | None = None,  # the scales of fp8 weights (kernels/fp8.py); None: that weight is not
+    w2_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sparse MoE block after its fused input projection -> [M, H]."""
     router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
     topk_weights, topk_ids = route(router_logits, top_k)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids) + shared_expert(gate, up, shared_down_proj, gate_logit)
+    routed = fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)

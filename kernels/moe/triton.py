@@ -24,7 +24,12 @@ Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
 Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
   on device (three tiny kernels) -> grouped up and down GEMMs writing [P, H] partials -> a fixed-order sum; the
   shared expert on cuBLAS. A grid sized for the worst case skips blocks past the padded total.
-Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, dtype, M bucket);
+FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
+w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
+every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies it in registers,
+to the GEMV's products or to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3);
+fp32 accumulation everywhere. The prefill's shared expert dequantizes on the torch path (cuBLAS).
+Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, weight dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
 
@@ -36,6 +41,8 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
+from kernels.fp8 import FP8, k_blocks
 from kernels.moe.naive import shared_expert, split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -50,6 +57,11 @@ DEFAULT_CONFIGS = {
         "BLOCK_M": 1,
         "up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
         "down": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
+    },
+    "gemv_fp8": {  # M = 1 with fp8 experts: BLOCK_K = 128, one scale per row per step; same bytes per tile
+        "BLOCK_M": 1,
+        "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
     },
     "decode": {
         "BLOCK_M": 16,
@@ -81,10 +93,35 @@ CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_MOE_DEFAULT_CONFIGS")
 
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
+    """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
     if tuned and (tuned["BLOCK_M"] == 1) == (M == 1):  # a GEMV entry only ever serves M = 1
         return tuned
-    return DEFAULT_CONFIGS["gemv" if M == 1 else "decode" if M <= DECODE_MAX_M else "prefill"]
+    gemv = "gemv_fp8" if dtype == FP8 else "gemv"
+    return DEFAULT_CONFIGS[gemv if M == 1 else "decode" if M <= DECODE_MAX_M else "prefill"]
+
+
+def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale) -> tuple:
+    """(EXPERTS_FP8, SHARED_FP8) of the weights, checked: each fp8 weight has its [..., N, ceil(K / 128)] fp32
+    scale, w13 and w2 agree, and every K step of the config lies in one scale block (BLOCK_K <= 128)."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("moe: w13 and w2 are fp8 together (both scales) or not at all")
+    pairs = {"w13": (w13, w13_scale), "w2": (w2, w2_scale), "shared_down": (shared_down_proj, shared_down_scale)}
+    for name, (w, scale) in pairs.items():
+        if w is None:  # the routed experts alone (fused_moe)
+            continue
+        want = (*w.shape[:-1], k_blocks(w.shape[-1]))
+        if scale is not None and (w.dtype != FP8 or scale.dtype != torch.float32 or tuple(scale.shape) != want):
+            raise ValueError(
+                f"moe: {name} with a scale must be float8_e4m3fn with a float32 scale {list(want)}, "
+                f"got {w.dtype} and {scale.dtype} {list(scale.shape)}"
+            )
+        if scale is None and w.dtype == FP8:
+            raise ValueError(f"moe: {name} is float8_e4m3fn but has no scale")
+    fp8 = w13_scale is not None, shared_down_scale is not None
+    if any(fp8) and max(config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]) > SCALE_BLOCK_K:
+        raise ValueError(f"moe config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
+    return fp8
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -247,10 +284,28 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one expert (w_ptr at its [2I, H] matrix)."""
+def _dot_scaled(a, w, acc, s_ptrs, k0, SCALED: tl.constexpr):
+    """acc + a @ w. SCALED: w [BLOCK_K, BLOCK_N] is fp8 and s_ptrs [BLOCK_N] point at its columns' (output rows')
+    scales of K block 0; the step at k0 lies in K block k0 // 128. The tile converts exactly to a's dtype and the
+    scale multiplies the step's product."""
+    if SCALED:
+        scale = tl.load(s_ptrs + k0 // 128)
+        return acc + _dot(a, w.to(a.dtype), tl.zeros_like(acc)) * scale[None, :]
+    else:
+        return _dot(a, w, acc)
+
+
+@triton.jit
+def _up_tile(
+    x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one expert (w_ptr at its [2I, H] matrix; s_ptr
+    at its [2I, ceil(H / 128)] scales when SCALED)."""
     tokens = (pairs // TOP_K).to(tl.int64)
     n_mask = offs_n < I
+    kb = tl.cdiv(H, 128)
+    s_gate = s_ptr + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]; up rows are I further
     acc_gate = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     acc_up = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -259,34 +314,42 @@ def _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K: tl.const
         a = tl.load(x_ptr + tokens[:, None] * H + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_offs = offs_n[None, :] * H + offs_k[:, None]  # [BLOCK_K, BLOCK_N], gate rows; up rows are I further
         w_mask = k_mask[:, None] & n_mask[None, :]
-        acc_gate = _dot(a, tl.load(w_ptr + w_offs, mask=w_mask, other=0.0), acc_gate)
-        acc_up = _dot(a, tl.load(w_ptr + I * H + w_offs, mask=w_mask, other=0.0), acc_up)
+        acc_gate = _dot_scaled(a, tl.load(w_ptr + w_offs, mask=w_mask, other=0.0), acc_gate, s_gate, k0, SCALED)
+        w_up = tl.load(w_ptr + I * H + w_offs, mask=w_mask, other=0.0)
+        acc_up = _dot_scaled(a, w_up, acc_up, s_gate + I * kb, k0, SCALED)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     h_offs = pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
     tl.store(h_ptr + h_offs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K: tl.constexpr):
-    """h[pairs] @ w2^T for one expert (w_ptr at its [H, I] matrix) -> [BLOCK_M, BLOCK_N] fp32."""
+def _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    """h[pairs] @ w2^T for one expert (w_ptr at its [H, I] matrix, s_ptr at its [H, ceil(I / 128)] scales when
+    SCALED) -> [BLOCK_M, BLOCK_N] fp32."""
     rows = pairs.to(tl.int64)
     n_mask = offs_n < H
+    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(I, 128)  # [BLOCK_N]
     acc = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
         a = tl.load(h_ptr + rows[:, None] * I + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a, w, acc)
+        acc = _dot_scaled(a, w, acc, s_ptrs, k0, SCALED)
     return acc
 
 
 @triton.jit
-def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, BLOCK_K: tl.constexpr):
+def _shared_acc(
+    proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, s_ptr,
+    BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
     """(silu(gate) * up)[tokens] @ shared_down^T -> [BLOCK_M, BLOCK_N] fp32; gate and up are proj's columns
-    E .. E + Is and E + Is .. E + 2 Is, rounded like the torch path (silu, then the product, in proj's dtype)."""
+    E .. E + Is and E + Is .. E + 2 Is, rounded like the torch path (silu, then the product, in proj's dtype).
+    SCALED: shared_down is fp8 with its [H, ceil(Is / 128)] scales at s_ptr."""
     row_ptr = proj_ptr + tokens.to(tl.int64)[:, None] * stride_pm
     n_mask = offs_n < H
+    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(IS, 128)  # [BLOCK_N]
     acc = tl.zeros((tokens.shape[0], offs_n.shape[0]), tl.float32)
     for k0 in range(0, IS, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -297,7 +360,7 @@ def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe,
         gate = gate.to(tl.float32)
         a = (gate * tl.sigmoid(gate)).to(up.dtype) * up
         w = tl.load(w_ptr + offs_n[None, :] * IS + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a.to(w.dtype), w, acc)
+        acc = _dot_scaled(a, w, acc, s_ptrs, k0, SCALED)  # a in proj's dtype (= the dense w's)
     return acc
 
 
@@ -306,10 +369,10 @@ def _shared_acc(proj_ptr, w_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe,
 
 @triton.jit
 def _moe_up_decode_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr,
     BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
     wait_for_producers(PDL)
@@ -327,12 +390,13 @@ def _moe_up_decode_kernel(
             offs_c = tl.arange(0, BLOCK_COUNTERS)
             tl.store(ids_ptr + M * TOP_K + offs_c, tl.zeros([BLOCK_COUNTERS], tl.int32), mask=offs_c < NUM_COUNTERS)
     w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+    s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
     pos = tl.cumsum(routed.to(tl.int32), 0) - 1
     for r0 in range(0, tl.sum(routed.to(tl.int32), 0), BLOCK_M):  # the routed tokens, compacted into rows
         sel = routed[None, :] & (pos[None, :] == (r0 + tl.arange(0, BLOCK_M))[:, None])  # [BLOCK_M, BLOCK_T]
         pairs = tl.sum(tl.where(sel, pair_ids[None, :], 0), 1)
         row_mask = tl.sum(sel.to(tl.int32), 1) > 0
-        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, EXPERTS_FP8)
 
 
 @triton.jit
@@ -359,8 +423,10 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
 @triton.jit
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
+    w2_s_ptr, sd_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
     wait_for_producers(PDL)
@@ -376,8 +442,9 @@ def _moe_down_decode_kernel(
             tokens = r0 + tl.arange(0, BLOCK_M)
             row_mask = tokens < M
             acc = _shared_acc(
-                proj_ptr, shared_down_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, BLOCK_K
-            )
+                proj_ptr, shared_down_ptr, tokens, row_mask, offs_n, stride_pm, stride_pe, E, H, IS, sd_s_ptr,
+                BLOCK_K, SHARED_FP8,
+            )  # fmt: skip
             gate_ptrs = proj_ptr + tokens.to(tl.int64) * stride_pm + (E + 2 * IS) * stride_pe
             scale = tl.sigmoid(tl.load(gate_ptrs, mask=row_mask, other=0.0).to(tl.float32))
             rows = tokens.to(tl.int64) * (TOP_K + 1) + TOP_K
@@ -389,9 +456,10 @@ def _moe_down_decode_kernel(
         expert, match, pos, count, owner = _decode_slot(ids_ptr, slot - 1, P, P_BLOCK)
         if owner:
             w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
+            s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
             for r0 in range(0, count, BLOCK_M):
                 pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
-                acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
+                acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, EXPERTS_FP8)
                 # The routing weight: the pair's softmax numerator over the sum of its token's K numerators.
                 offs_top = tl.arange(0, BLOCK_TOP)
                 token_pairs = (pairs // TOP_K * TOP_K)[:, None] + offs_top[None, :]  # [BLOCK_M, BLOCK_TOP]
@@ -441,34 +509,44 @@ def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     }
 
 
-def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scratch=None) -> torch.Tensor:
+def moe_block_decode(
+    x, proj, w13, w2, shared_down_proj, top_k, config=None, scratch=None,
+    w13_scale=None, w2_scale=None, shared_down_scale=None,
+) -> torch.Tensor:  # fmt: skip
     """The block for M <= DECODE_MAX_M in two launches. config / scratch (decode_scratch's dict) override the
-    tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates)."""
+    tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates). The scales:
+    those of fp8 weights (kernels/fp8.py), None for dense ones."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
-    config = config or get_config(M, E, H, I, x.dtype)
+    config = config or get_config(M, E, H, I, w13.dtype)
     scratch = scratch or decode_scratch(x, I, top_k, config)
     h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
+    scales = w13_scale, w2_scale, shared_down_scale
+    experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, *scales)
     if config["BLOCK_M"] == 1:
         if M != 1:
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
-        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch)
+        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, *scales)
+    # a scale pointer is only read under its flag: a dense weight passes itself in its place
+    w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
+    sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = triton.cdiv(H, down["BLOCK_N"])
     on = pdl(x)
     _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), E)](
-        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters,
+        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters, w13_s,
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
-        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, PDL=on, launch_pdl=on, **up,
+        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, EXPERTS_FP8=experts_fp8,
+        PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
-        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(),
+        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(), w2_s, sd_s,
         TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), P_BLOCK=max(16, triton.next_power_of_2(P)),
-        BLOCK_M=block_m, PDL=on, launch_pdl=on, **down,
+        BLOCK_M=block_m, EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return out
 
@@ -478,9 +556,10 @@ def moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, config=None, scr
 
 @triton.jit
 def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EXPERTS_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
@@ -500,6 +579,8 @@ def _moe_up_gemv_kernel(
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
     gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    kb = tl.cdiv(H, 128)
+    s_gate = w13_s_ptr + expert.to(tl.int64) * (2 * I * kb) + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]
     x_ptrs = x_ptr + offs_k
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -514,8 +595,12 @@ def _moe_up_gemv_kernel(
             up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         x = x.to(tl.float32)[None, :]
-        acc_gate += gate.to(tl.float32) * x
-        acc_up += up.to(tl.float32) * x
+        if EXPERTS_FP8:  # BLOCK_K <= 128: the step is in scale block k0 // 128
+            acc_gate += (gate.to(tl.float32) * x) * tl.load(s_gate + k0 // 128)[:, None]
+            acc_up += (up.to(tl.float32) * x) * tl.load(s_gate + I * kb + k0 // 128)[:, None]
+        else:
+            acc_gate += gate.to(tl.float32) * x
+            acc_up += up.to(tl.float32) * x
         gate_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
@@ -526,8 +611,9 @@ def _moe_up_gemv_kernel(
 @triton.jit
 def _moe_down_gemv_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    w2_s_ptr, sd_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
@@ -540,11 +626,17 @@ def _moe_down_gemv_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < IS
     ws = tl.load(shared_down_ptr + (rows * IS)[:, None] + offs_s[None, :], mask=s_mask[None, :], other=0.0)
+    ws = ws.to(tl.float32)  # [BLOCK_N, BLOCK_S]
+    if SHARED_FP8:  # column j is in scale block j // 128
+        s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
+        ws = ws * tl.load(s_cols, mask=s_mask[None, :], other=0.0)
     wait_for_producers(PDL)
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
+    kb_i = tl.cdiv(I, 128)
+    w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
     acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -553,13 +645,18 @@ def _moe_down_gemv_kernel(
         a = tl.load(
             h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
         )
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+        if EXPERTS_FP8:  # BLOCK_K <= 128: one scale per (expert, row) per step; none past I
+            in_i = k0 + tl.zeros((BLOCK_N,), tl.int32) < I  # [BLOCK_N]: a tensor mask (a scalar is not portable)
+            w_scale = tl.load(w_scales + k0 // 128, mask=top_mask[:, None] & in_i[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2) * w_scale
+        else:
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
     gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
     up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
     gate = gate.to(tl.float32)
     a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
-    acc_shared = tl.sum(ws.to(tl.float32) * a_shared[None, :], 1)
+    acc_shared = tl.sum(ws * a_shared[None, :], 1)
     weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
     scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
@@ -567,23 +664,28 @@ def _moe_down_gemv_kernel(
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-def moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch) -> torch.Tensor:
+def moe_block_gemv(
+    x, proj, w13, w2, shared_down_proj, top_k, config, scratch, w13_scale=None, w2_scale=None, shared_down_scale=None
+) -> torch.Tensor:
     """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1)."""
     H = x.shape[1]
     E, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     up, down = config["up"], config["down"]
     block_top = triton.next_power_of_2(top_k)
+    experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale)
+    w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
+    sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1),
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
         TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
-        PDL=on, launch_pdl=on, **up,
+        EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        proj.stride(1), TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS), PDL=on,
-        launch_pdl=on, **down,
+        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
+        EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]
 
@@ -605,55 +707,65 @@ def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOC
 
 @triton.jit
 def _moe_up_sorted_kernel(
-    x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr,
 ):  # fmt: skip
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, TOP_K, BLOCK_K)
+        s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, EXPERTS_FP8)
 
 
 @triton.jit
 def _moe_down_sorted_kernel(
-    h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I,
+    h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr,
 ):  # fmt: skip
     """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
-        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, BLOCK_K)
+        s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
+        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, EXPERTS_FP8)
         rows = pairs.to(tl.int64)
         scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
         out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
 
 
-def fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, config=None) -> torch.Tensor:
+def fused_moe_into(
+    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None
+) -> torch.Tensor:
     """The routed experts on the aligned grouped path with caller-owned scratch: h [P, I] and partials [P, H] in
     x's dtype (tests pass NaN-filled ones, so a row the kernels forget reaches the output). config overrides the
-    table (tests, tuner)."""
+    table (tests, tuner); the scales: those of fp8 experts."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
     P = M * K
-    config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, x.dtype)
+    config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, w13.dtype)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    fp8, _ = check_scales(config, w13, w2, None, w13_scale, w2_scale, None)
+    w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if fp8 else (w13, w2)  # unread if dense
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     sorted_pairs, ends = align_pairs(ids, E, block_m)
     num_blocks, block_e = sorted_pairs.numel() // block_m, triton.next_power_of_2(E)
     _moe_up_sorted_kernel[(triton.cdiv(I, up["BLOCK_N"]), num_blocks)](
-        x, w13, h, sorted_pairs, ends, P, E, H, I, TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, **up
-    )
+        x, w13, h, sorted_pairs, ends, P, E, H, I, w13_s,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, EXPERTS_FP8=fp8, **up,
+    )  # fmt: skip
     _moe_down_sorted_kernel[(triton.cdiv(H, down["BLOCK_N"]), num_blocks)](
-        h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, BLOCK_E=block_e, BLOCK_M=block_m, **down
-    )
+        h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s,
+        BLOCK_E=block_e, BLOCK_M=block_m, EXPERTS_FP8=fp8, **down,
+    )  # fmt: skip
     return partials.view(M, K, H).sum(1)  # fixed order, no atomics: bit-reproducible
 
 
@@ -663,43 +775,55 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [M, K]
     topk_ids: torch.Tensor,  # [M, K]
+    w13_scale: torch.Tensor | None = None,  # [E, 2I, ceil(H / 128)] when w13 is fp8 (kernels/fp8.py)
+    w2_scale: torch.Tensor | None = None,  # [E, H, ceil(I / 128)] when w2 is fp8
 ) -> torch.Tensor:
     """sum_k topk_weights[:, k] * w2[e] @ (silu(gate) * up), e = topk_ids[:, k] -> [M, H] in x's dtype."""
     M, K = topk_ids.shape
     if M == 0:
         return torch.empty_like(x)
-    return fused_moe_into(
-        x, w13, w2, topk_weights, topk_ids, x.new_empty(M * K, w2.shape[2]), x.new_empty(M * K, x.shape[1])
-    )
+    h, partials = x.new_empty(M * K, w2.shape[2]), x.new_empty(M * K, x.shape[1])
+    return fused_moe_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale)
 
 
-def moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k) -> torch.Tensor:
-    """The block for M > DECODE_MAX_M: route, the aligned grouped experts, the shared expert on cuBLAS."""
+def moe_block_prefill(
+    x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None
+) -> torch.Tensor:
+    """The block for M > DECODE_MAX_M: route, the aligned grouped experts, the shared expert on cuBLAS (an fp8
+    shared down projection dequantized per call)."""
     router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
-    routed = fused_moe(x, w13, w2, *route(router_logits, top_k))
-    return routed + shared_expert(gate, up, shared_down_proj, gate_logit)
+    routed = fused_moe(x, w13, w2, *route(router_logits, top_k), w13_scale, w2_scale)
+    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
 
 
 # ----------------------------------------------------------------------------------------------- the block
 
 
-def _moe_block(x, proj, w13, w2, shared_down_proj, top_k):
+def _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales):
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if x.shape[0] <= DECODE_MAX_M:
-        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k)
-    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k)
+        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales)
+    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales)
 
 
 @torch.library.custom_op("qmoe::moe_block", mutates_args=())
 def _moe_block_op(
-    x: torch.Tensor, proj: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_down_proj: torch.Tensor, top_k: int
+    x: torch.Tensor,
+    proj: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down_proj: torch.Tensor,
+    top_k: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k)
+    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k, w13_scale, w2_scale, shared_down_scale)
 
 
 @_moe_block_op.register_fake
-def _(x, proj, w13, w2, shared_down_proj, top_k):
+def _(x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None):
     return torch.empty_like(x)
 
 
@@ -710,9 +834,10 @@ def moe_block(
     w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
     top_k: int,
+    *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights (kernels/fp8.py), or none
 ) -> torch.Tensor:
     """The sparse MoE block after its fused input projection -> [M, H]: M <= 64 in two launches (moe_block_decode),
     above on the aligned grouped path. Through the custom op only while tracing; eager launches directly."""
     if kernels.tracing():
-        return _moe_block_op(x, proj, w13, w2, shared_down_proj, top_k)
-    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k)
+        return _moe_block_op(x, proj, w13, w2, shared_down_proj, top_k, *scales)
+    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales)

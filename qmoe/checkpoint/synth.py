@@ -2,10 +2,13 @@
 
     python -m qmoe.checkpoint.synth model=qwen35_moe layers=4 out=DIR [seed=0] [dtype=bfloat16]
         [expert_layout=fused|per_expert] [prefix=model.language_model.|model.] [shard_gb=5] [device=cpu]
-        [tokenizer=false] [config_dir=configs]
+        [tokenizer=false] [quant=none|fp8_block|fp8_channel] [config_dir=configs]
 
 `model=` names <config_dir>/model/<name>.yaml, composed through Hydra; its `arch:` holds the ModelConfig fields.
 `tokenizer=true` also writes a small byte-level BPE tokenizer.json with Qwen's special tokens.
+`quant=fp8_block` writes Qwen's FP8 release format (float8_e4m3fn weights, 128x128 `weight_scale_inv`; lm_head,
+router and shared-expert gate in high precision), `quant=fp8_channel` llm-compressor's FP8_DYNAMIC (per-channel
+`weight_scale`; lm_head, router, shared-expert gate, shared expert and DeltaNet in high precision).
 The weights are those of build_model(cfg, dtype, device, seed): a checkpoint written here loads into a model
 equal to that one. The model is built once on `device`; shards are written one at a time (host RAM holds at most
 one shard's copy when device is a GPU, none when it is the CPU).
@@ -22,13 +25,59 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from qmoe.checkpoint.loader import CONFIG, GENERATION_CONFIG, INDEX, MULTIMODAL_PREFIX, TEXT_PREFIX, TOKENIZER
+from kernels.fp8 import FP8, FP8_MAX
+from qmoe.checkpoint.loader import (
+    CONFIG,
+    GENERATION_CONFIG,
+    INDEX,
+    MULTIMODAL_PREFIX,
+    TEXT_PREFIX,
+    TOKENIZER,
+    Quantization,
+    parse_quantization,
+)
 from qmoe.checkpoint.tokenizer import TOKENIZER_CONFIG, special_token_ids
 from qmoe.model.config import ModelConfig
-from qmoe.model.qwen35_moe import Qwen35MoE, build_model
+from qmoe.model.qwen35_moe import Qwen35MoE, build_model, fp8_capable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERT_LAYOUTS = ("fused", "per_expert")
+# quant= -> config.json's quantization_config, as the published FP8 checkpoints write it
+QUANT_CONFIGS = {
+    "none": None,
+    "fp8_block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate"],
+    },
+    "fp8_channel": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*mlp.gate$",
+            "re:.*shared_expert_gate$",
+            r"re:.*shared_expert\..*",
+            "re:.*linear_attn.*",
+        ],
+    },
+}
 SAMPLE_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Qwen answers in ChatML, thinking first.",
@@ -55,7 +104,38 @@ def checkpoint_tensors(model: Qwen35MoE, expert_layout: str, prefix: str):
             yield key, p
 
 
-def write_configs(cfg: ModelConfig, out: Path, prefix: str, dtype: torch.dtype) -> None:
+def quantize_blocks(w: torch.Tensor, block: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 [..., N, K], scale) in a checkpoint's layout: block (bn, bk) -> scale_inv
+    [..., ceil(N / bn), ceil(K / bk)]; None -> per output channel [..., N, 1]; scale = amax / 448 (1 for zeros)."""
+    if block is None:
+        amax = w.float().abs().amax(-1, keepdim=True)  # [..., N, 1]
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    N, K = w.shape[-2:]
+    bn, bk = block
+    padded = torch.nn.functional.pad(w.float(), (0, -K % bk, 0, -N % bn))
+    tiles = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [..., Nb, bn, Kb, bk]
+    amax = tiles.abs().amax((-3, -1))  # [..., Nb, Kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).flatten(-4, -3).flatten(-2)[..., :N, :K]
+    return q.to(FP8), scale
+
+
+def quantized_tensors(tensors, quant: Quantization):
+    """(key, tensor) -> the checkpoint's tensors under `quant`: every matrix a linear or MoE kernel reads that the
+    config does not keep in high precision becomes (key, fp8) and (key + scale suffix, scale)."""
+    for key, tensor in tensors:
+        if quant.method is None or not fp8_capable(key) or quant.kept_dense(key.rpartition(".")[0]):
+            yield key, tensor
+            continue
+        q, scale = quantize_blocks(tensor, quant.block)
+        yield key, q
+        yield key + quant.scale_suffix, scale
+
+
+def write_configs(
+    cfg: ModelConfig, out: Path, prefix: str, dtype: torch.dtype, quantization_config: dict | None = None
+) -> None:
     """config.json (multimodal `qwen3_5_moe` wrapper for the multimodal prefix, `qwen3_5_moe_text` otherwise) and
     generation_config.json, with EOS split between them as in the Qwen3.5 releases."""
     special = special_token_ids(cfg.vocab_size)
@@ -71,6 +151,8 @@ def write_configs(cfg: ModelConfig, out: Path, prefix: str, dtype: torch.dtype) 
         }
     else:
         config = {"architectures": ["Qwen3_5MoeForCausalLM"], **text, "dtype": dtype_name}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": [endoftext, im_end], "do_sample": False}
     (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
@@ -84,17 +166,21 @@ def save_model(
     prefix: str = MULTIMODAL_PREFIX,
     shard_bytes: int = 5 * 10**9,
     progress: bool = False,
+    quant: str = "none",
 ) -> Path:
     """Write `model`'s weights as safetensors shards of <= shard_bytes (a larger single tensor gets its own shard),
-    model.safetensors.index.json, config.json and generation_config.json."""
+    model.safetensors.index.json, config.json and generation_config.json; quant (QUANT_CONFIGS) writes FP8."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if quant not in QUANT_CONFIGS:
+        raise ValueError(f"quant must be one of {tuple(QUANT_CONFIGS)}, got {quant!r}")
     if prefix not in (MULTIMODAL_PREFIX, TEXT_PREFIX):
         raise ValueError(f"prefix must be {MULTIMODAL_PREFIX!r} or {TEXT_PREFIX!r}, got {prefix!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards, size = [[]], 0
-    for key, tensor in checkpoint_tensors(model, expert_layout, prefix):
+    quantization = parse_quantization(QUANT_CONFIGS[quant], "quant")
+    for key, tensor in quantized_tensors(checkpoint_tensors(model, expert_layout, prefix), quantization):
         if shards[-1] and size + tensor.nbytes > shard_bytes:
             shards, size = [*shards, []], 0
         shards[-1].append((key, tensor))
@@ -108,7 +194,7 @@ def save_model(
         del tensors
     total = sum(t.nbytes for shard in shards for _, t in shard)
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    write_configs(model.config, out, prefix, model.dtype)
+    write_configs(model.config, out, prefix, model.dtype, QUANT_CONFIGS[quant])
     return out
 
 
@@ -123,11 +209,13 @@ def write_checkpoint(
     shard_bytes: int = 5 * 10**9,
     device="cpu",
     progress: bool = False,
+    quant: str = "none",
 ) -> Path:
-    """A random checkpoint holding the weights of build_model(cfg, dtype, device, seed), in the published layout."""
+    """A random checkpoint holding the weights of build_model(cfg, dtype, device, seed), in the published layout
+    (quantized by `quant`, QUANT_CONFIGS)."""
     model = build_model(cfg, dtype, device, seed=seed, progress=progress)
     return save_model(
-        model, out, expert_layout=expert_layout, prefix=prefix, shard_bytes=shard_bytes, progress=progress
+        model, out, expert_layout=expert_layout, prefix=prefix, shard_bytes=shard_bytes, progress=progress, quant=quant
     )
 
 
@@ -193,6 +281,7 @@ DEFAULTS = {
     "shard_gb": "5",
     "device": "cpu",
     "tokenizer": "false",
+    "quant": "none",
     "config_dir": str(REPO_ROOT / "configs"),
 }
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -241,6 +330,9 @@ def parse_args(argv: list[str]) -> dict:
     if args["prefix"] not in (MULTIMODAL_PREFIX, TEXT_PREFIX):
         fail(f"prefix={args['prefix']}: allowed: {MULTIMODAL_PREFIX}, {TEXT_PREFIX}")
     opts["prefix"] = args["prefix"]
+    if args["quant"] not in QUANT_CONFIGS:
+        fail(f"quant={args['quant']}: allowed: {', '.join(QUANT_CONFIGS)}")
+    opts["quant"] = args["quant"]
     if args["tokenizer"].lower() not in BOOLS:
         fail(f"tokenizer={args['tokenizer']}: must be true or false")
     opts["tokenizer"] = BOOLS[args["tokenizer"].lower()]
@@ -271,6 +363,7 @@ def main(argv: list[str]) -> None:
         shard_bytes=opts["shard_bytes"],
         device=opts["device"],
         progress=True,
+        quant=opts["quant"],
     )
     if opts["tokenizer"]:
         write_tokenizer(out, cfg.vocab_size)

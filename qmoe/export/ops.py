@@ -44,9 +44,17 @@ def _(mixed_qkv, z, *args):
 
 @torch.library.custom_op("qmoe_export::moe_block", mutates_args=())
 def moe_block(
-    x: torch.Tensor, proj: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_down_proj: torch.Tensor, top_k: int
+    x: torch.Tensor,
+    proj: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down_proj: torch.Tensor,
+    top_k: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return moe_naive.moe_block(x, proj, w13, w2, shared_down_proj, top_k)
+    return moe_naive.moe_block(x, proj, w13, w2, shared_down_proj, top_k, w13_scale, w2_scale, shared_down_scale)
 
 
 @moe_block.register_fake

@@ -29,15 +29,15 @@ def latency_stats(ttft_ms: float, decode_ms: list[float], decode_tokens: int, wa
     }
 
 
-def active_weight_bytes(config, dtype: torch.dtype) -> int:
+def active_weight_bytes(config, dtype: torch.dtype, fp8=frozenset()) -> int:
     """Weight bytes one decode step at batch 1 must read: the active parameters (routed top-k and shared experts,
-    mixers, router, norms, lm_head; the embedding is a row gather) in the weights' dtype."""
-    return config.param_counts()["active"] * dtype.itemsize
+    mixers, router, norms, lm_head; the embedding is a row gather) in the weights' dtype, the `fp8` ones (parameter
+    names) in float8 with their scales."""
+    if not fp8:
+        return config.param_counts()["active"] * dtype.itemsize
+    from qmoe.model import active_weight_nbytes
 
-
-def weight_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of all the weights in `dtype`: what building or loading the model allocates."""
-    return config.param_counts()["total"] * dtype.itemsize
+    return active_weight_nbytes(config, dtype, fp8)
 
 
 _COPY_GBS: dict[tuple[str, int], float] = {}  # (device, bytes) -> measured copy bandwidth, once per process
@@ -71,10 +71,12 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 256 * 2**20, reps: in
     return _COPY_GBS[key]
 
 
-def bandwidth_floor(config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None) -> dict:
+def bandwidth_floor(
+    config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None, fp8=frozenset()
+) -> dict:
     """floor = active weight bytes per decode step (batch 1) / device copy bandwidth; the copy ceiling only on a
-    GPU (on the CPU there is no floor to report)."""
-    active = active_weight_bytes(config, dtype)
+    GPU (on the CPU there is no floor to report). fp8: the parameters held in float8."""
+    active = active_weight_bytes(config, dtype, fp8)
     out = {"active_weight_bytes": active, "copy_gbs": None, "floor_ms": None, "fraction_of_decode_p50": None}
     if device.type == "cuda":
         gbs = copy_bandwidth_gbs(device)

@@ -1,8 +1,9 @@
 """Qwen3.5-MoE text model (transformers `qwen3_5_moe_text`), gpt-fast style: static caches held as buffers.
 
 Parameter names equal the Hugging Face text-model keys without their prefix (`layers.3.mlp.experts.gate_up_proj`,
-`lm_head.weight`), so checkpoints map one to one. Every hot op goes through `self.ops[<group>]`, a module of
-`kernels/` picked by `set_kernels` (`kernels.<group>=torch|triton`).
+`lm_head.weight`), so checkpoints map one to one. A projection or expert tensor kept in FP8 (`use_fp8_`) is
+float8_e4m3fn with a sibling `<name>_scale` fp32 [..., N, ceil(K / 128)] (kernels/fp8.py). Every hot op goes
+through `self.ops[<group>]`, a module of `kernels/` picked by `set_kernels` (`kernels.<group>=torch|triton`).
 """
 
 import math
@@ -12,9 +13,28 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.fp8 import FP8, quantize_into, scale_shape
 from qmoe.model.config import ModelConfig
 
 KERNEL_GROUPS = kernels.OPS
+# What model.weights=fp8 keeps in the model's dtype: the lm_head (as FP8 releases do) and the router and the
+# shared-expert gate, whose logits pick the experts (and, fused with them, the shared expert's gate and up).
+FP8_KEPT_DENSE = ("lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+
+
+def fp8_capable(name: str) -> bool:
+    """Whether a linear or MoE kernel reads the parameter (every projection, the router, lm_head, the experts):
+    the ones that can be held in FP8."""
+    path, _, leaf = name.rpartition(".")
+    module = path.rpartition(".")[2]
+    if module == "experts":
+        return leaf in ("gate_up_proj", "down_proj")
+    return leaf == "weight" and ("proj" in module or module in ("gate", "shared_expert_gate", "lm_head"))
+
+
+def scale_of(module: nn.Module, name: str = "weight") -> torch.Tensor | None:
+    """The fp8 scale of module.<name>, or None when it is held in the model's dtype."""
+    return getattr(module, f"{name}_scale", None)
 
 
 def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
@@ -37,17 +57,17 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return layer
 
 
-def fuse_rows_(module: nn.Module, parts: tuple[str, ...]) -> torch.Tensor:
-    """Re-seat the `weight` of each sub-module in `parts` ([n_i, K]) as consecutive row slices of one new
+def fuse_rows_(module: nn.Module, parts: tuple[str, ...], attr: str = "weight") -> torch.Tensor:
+    """Re-seat the `attr` of each sub-module in `parts` ([n_i, K]) as consecutive row slices of one new
     [sum n_i, K] tensor, and return it (values kept). One GEMV then reads what several projections of the same
     input read; the state-dict keys, and the loader that copies into the parameters, are unchanged, and once the
-    old tensors are freed no memory is added."""
+    old tensors are freed no memory is added. attr="weight_scale" fuses fp8 scales the same way (per row)."""
     subs = [module.get_submodule(part) for part in parts]
-    fused = torch.cat([sub.weight.data for sub in subs])  # [sum n_i, K]
+    fused = torch.cat([getattr(sub, attr).data for sub in subs])  # [sum n_i, K]
     start = 0
     for sub in subs:
-        rows = sub.weight.shape[0]
-        sub.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        rows = getattr(sub, attr).shape[0]
+        setattr(sub, attr, nn.Parameter(fused[start : start + rows], requires_grad=False))
         start += rows
     return fused
 
@@ -82,7 +102,7 @@ class GatedAttention(nn.Module):
         norms, caches = (self.q_norm.weight, self.k_norm.weight), (self.k_cache, self.v_cache)
         scale = self.head_dim**-0.5
         out = ops["attention"].gated_attention(q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale)
-        return ops["linear"].linear(out, self.o_proj.weight)  # out [B, T, Hq * D]
+        return ops["linear"].linear(out, self.o_proj.weight, scale_of(self.o_proj))  # out [B, T, Hq * D]
 
 
 class GatedDeltaNet(nn.Module):
@@ -128,7 +148,7 @@ class GatedDeltaNet(nn.Module):
             self.nk,
             self.eps,
         )
-        return ops["linear"].linear(core, self.out_proj.weight)
+        return ops["linear"].linear(core, self.out_proj.weight, scale_of(self.out_proj))
 
 
 class Experts(nn.Module):
@@ -159,9 +179,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, proj, ops):  # x [B, T, H], proj = in_proj(x) [B, T, E + 2 Is + 1]
         rows = x.flatten(0, 1)  # [M, H]
-        e, shared_down = self.experts, self.shared_expert.down_proj.weight
-        moe = ops["moe"].moe_block(rows, proj.flatten(0, 1), e.gate_up_proj, e.down_proj, shared_down, self.top_k)
-        return moe.view_as(x)
+        e, shared_down = self.experts, self.shared_expert.down_proj
+        scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
+        args = (rows, proj.flatten(0, 1), e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)
+        if any(s is not None for s in scales):  # the dense call stays as it was (exported graphs)
+            args += scales
+        return ops["moe"].moe_block(*args).view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -184,12 +207,12 @@ class DecoderLayer(nn.Module):
         """h: the previous block's output (the embedding for the first layer), not yet in the residual stream
         -> (this layer's MoE output, the residual stream). Each add + RMSNorm runs inside the projection that
         reads it (`linear.add_rms_norm_linear`), so a decode layer is 6 launches."""
-        linear, mixer = ops["linear"], self.mixer
-        in_proj = getattr(mixer, mixer.IN_PROJ)
-        proj, _, residual = linear.add_rms_norm_linear(h, residual, self.input_layernorm.weight, eps, in_proj)
+        linear, mixer, mlp = ops["linear"], self.mixer, self.mlp
+        in_proj = getattr(mixer, mixer.IN_PROJ), getattr(mixer, f"{mixer.IN_PROJ}_scale")
+        proj, _, residual = linear.add_rms_norm_linear(h, residual, self.input_layernorm.weight, eps, *in_proj)
         mixed = mixer(proj, positions, inv_freq, ops)
         post_norm = self.post_attention_layernorm.weight
-        proj, x, residual = linear.add_rms_norm_linear(mixed, residual, post_norm, eps, self.mlp.in_proj)
+        proj, x, residual = linear.add_rms_norm_linear(mixed, residual, post_norm, eps, mlp.in_proj, mlp.in_proj_scale)
         return self.mlp(x, proj, ops), residual
 
 
@@ -215,13 +238,44 @@ class Qwen35MoE(nn.Module):
         self.ops = {group: kernels.resolve(group, "torch") for group in KERNEL_GROUPS}
         self.batch_size = self.max_seq_len = 0
 
+    def fused_groups(self) -> list[tuple[str, ...]]:
+        """The parameter names of each group of projections fused into one buffer (fuse_projections_)."""
+        groups = []
+        for path, module in self.named_modules():
+            for parts in getattr(module, "FUSED", {}).values():
+                groups.append(tuple(f"{path}.{part}.weight" for part in parts))
+        return groups
+
+    def fp8_names(self, candidates) -> frozenset:
+        """Of the parameter names `candidates`, those the model can hold in FP8: tensors a linear or MoE kernel
+        reads, and a fused group only whole (its parts share one buffer, so one dtype)."""
+        names = {name for name in candidates if fp8_capable(name)}
+        for group in self.fused_groups():
+            if not set(group) <= names:
+                names -= set(group)
+        return frozenset(names)
+
+    def use_fp8_(self, names) -> None:
+        """Re-declare each named parameter as float8_e4m3fn with its `<leaf>_scale` fp32 [..., N, ceil(K / 128)]
+        beside it, on the parameter's device (meta before materialisation: build_model calls it there)."""
+        for name in names:
+            path, _, leaf = name.rpartition(".")
+            module, p = self.get_submodule(path), self.get_parameter(name)
+            setattr(module, leaf, nn.Parameter(torch.empty(p.shape, dtype=FP8, device=p.device), requires_grad=False))
+            scale = torch.empty(scale_shape(p.shape), dtype=torch.float32, device=p.device)
+            module.register_parameter(f"{leaf}_scale", nn.Parameter(scale, requires_grad=False))
+
     def fuse_projections_(self) -> None:
         """Concatenate the weights of the projections that read the same input (each block's FUSED groups) into
-        one non-persistent buffer per group, the parameters becoming row slices of it. Call once the parameters
-        are materialised (build_model does): moving the model afterwards would split them apart again."""
+        one non-persistent buffer per group, the parameters becoming row slices of it; fp8 groups get a
+        `<name>_scale` buffer the same way (None for the others). Call once the parameters are materialised
+        (build_model does): moving the model afterwards would split them apart again."""
         for module in self.modules():
             for name, parts in getattr(module, "FUSED", {}).items():
                 module.register_buffer(name, fuse_rows_(module, parts), persistent=False)
+                fp8 = scale_of(module.get_submodule(parts[0])) is not None
+                scale = fuse_rows_(module, parts, "weight_scale") if fp8 else None
+                module.register_buffer(f"{name}_scale", scale, persistent=False)
 
     def set_kernels(self, choice: dict, greedy: bool = False) -> None:
         """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are.
@@ -239,7 +293,7 @@ class Qwen35MoE(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.norm.weight.dtype  # the activations' dtype (norms are never fp8)
 
     def setup_caches(self, batch_size: int, max_seq_len: int) -> None:
         """(Re)allocate the static caches for `batch_size` rows of up to `max_seq_len` positions, zeroed."""
@@ -267,7 +321,7 @@ class Qwen35MoE(nn.Module):
         x, _ = self.ops["norm"].add_rms_norm(h, residual, self.norm.weight, eps)
         if not all_logits:
             x = x[:, -1]
-        return self.ops["linear"].linear(x, self.lm_head.weight).float()
+        return self.ops["linear"].linear(x, self.lm_head.weight, scale_of(self.lm_head)).float()
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
         """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation."""
@@ -278,12 +332,21 @@ class Qwen35MoE(nn.Module):
 def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
     """Fill every parameter in place on its own device from `seed`: matrices ~ N(0, 1/fan_in) (activations
     stay O(1), so logits are spread and greedy decoding is not decided by rounding), norms near their
-    identity, DeltaNet decay parameters in their published ranges."""
+    identity, DeltaNet decay parameters in their published ranges. An fp8 parameter gets the quantized values of
+    what its dense twin would get (drawn in the model's dtype one tensor at a time, so the draws, and every other
+    tensor, equal the dense model's)."""
     from tqdm import tqdm
 
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    params = sorted((kv for kv in model.named_parameters() if not kv[0].endswith("_scale")), key=lambda kv: kv[0])
     for name, p in tqdm(params, desc="init weights", disable=not progress, unit="tensor"):
+        if p.dtype == FP8:  # matrices and experts only (fp8_capable)
+            dense = torch.empty(p.shape, dtype=model.dtype, device=p.device).normal_(
+                0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen
+            )
+            quantize_into(p, model.get_parameter(f"{name}_scale"), dense)
+            del dense
+            continue
         leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
         if name == "embed_tokens.weight":
             p.normal_(0.0, 1.0, generator=gen)
@@ -299,12 +362,60 @@ def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int | None = 0, progress=False) -> Qwen35MoE:
-    """The model's parameters allocated directly on `device` in `dtype` (no host copy); random when seed is set,
-    left uninitialised (for a checkpoint loader to fill) when seed is None."""
+def fp8_weight_names(cfg: ModelConfig, weights: str, stored_fp8=frozenset()) -> frozenset:
+    """The parameters a model built for `model.weights` holds in FP8: auto -> those stored in FP8 (`stored_fp8`,
+    from a checkpoint), dense -> none, fp8 -> every projection and expert but FP8_KEPT_DENSE, and those stored in
+    FP8. Both then as Qwen35MoE.fp8_names allows (a fused group is FP8 only whole)."""
+    if weights == "dense":
+        return frozenset()
     with torch.device("meta"):
         model = Qwen35MoE(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    candidates = set(stored_fp8)
+    if weights == "fp8":
+        candidates |= {name for name, _ in model.named_parameters() if not name.endswith(FP8_KEPT_DENSE)}
+    return model.fp8_names(candidates)
+
+
+def _meta_params(cfg: ModelConfig, dtype: torch.dtype, fp8) -> dict:
+    with torch.device("meta"):
+        model = Qwen35MoE(cfg).to(dtype=dtype)
+    model.use_fp8_(model.fp8_names(fp8))
+    return dict(model.named_parameters())
+
+
+def fp8_parameters(model: nn.Module) -> frozenset:
+    """The names of a model's parameters held in float8."""
+    return frozenset(name for name, p in model.named_parameters() if p.dtype == FP8)
+
+
+def weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) -> int:
+    """Bytes of every parameter (scales included) of build_model(cfg, dtype, fp8=fp8): what it allocates."""
+    return sum(p.nbytes for p in _meta_params(cfg, dtype, fp8).values())
+
+
+def active_weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) -> int:
+    """Bytes one decode step at batch 1 reads of build_model(cfg, dtype, fp8=fp8)'s parameters: all of them (scales
+    included) but the embedding (a row gather), the routed experts' top-k of E."""
+    total = 0
+    for name, p in _meta_params(cfg, dtype, fp8).items():
+        if name == "embed_tokens.weight":
+            continue
+        routed = ".mlp.experts." in name
+        total += p.nbytes * cfg.num_experts_per_tok // cfg.num_experts if routed else p.nbytes
+    return total
+
+
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device, seed: int | None = 0, progress=False, fp8=frozenset()
+) -> Qwen35MoE:
+    """The model's parameters allocated directly on `device` in `dtype` (no host copy); random when seed is set,
+    left uninitialised (for a checkpoint loader to fill) when seed is None. The parameters named in `fp8` (see
+    Qwen35MoE.fp8_names) are float8_e4m3fn with their scales instead."""
+    with torch.device("meta"):
+        model = Qwen35MoE(cfg)
+    model = model.to(dtype=dtype)
+    model.use_fp8_(model.fp8_names(fp8))
+    model = model.to_empty(device=device)
     model.fuse_projections_()
     if seed is not None:
         init_random_(model, seed, progress)

@@ -1,0 +1,162 @@
+"""The dense projection with FP8 weights (kernels/fp8.py layout) against the dequantized weight in float64: both
+kernel paths, split-K across scale-block boundaries, N and K not multiples of 128, the cuBLAS hand-over, fused row
+slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16)."""
+
+import pytest
+import torch
+
+from kernels.fp8 import dequantize, quantize_rows
+from kernels.linear import naive
+from kernels.linear import triton as lin
+from tests.helpers import poisoned, rel_err
+
+# The weight is exactly its fp8 values times the scales, so the only error is the arithmetic's.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1):
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
+
+
+def make(M, N, K, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    w[:, 128:256] *= 50  # scale blocks of very different size: a scale applied to the wrong K block shows
+    q, scale = quantize_rows(w)
+    return x, q, scale
+
+
+def reference(x, q, scale):
+    return x.double() @ dequantize(q, scale, torch.float64).T
+
+
+CASES = [
+    (1, 37, 300, config(1, 8, 128), "GEMV, one scale block per step: N tail 37, K tail 44 (300 = 2 * 128 + 44)"),
+    (1, 29, 300, config(1, 4, 32), "GEMV, four steps per scale block, K tail inside the last block"),
+    (1, 33, 300, config(1, 4, 64, SPLIT_K=3), "GEMV split-K: splits of 2 steps start mid-scale-block"),
+    (3, 17, 200, config(1, 16, 64), "GEMV path at M = 3, N < BLOCK_N"),
+    (1, 40, 300, config(16, 16, 32), "dot path at M = 1: 15 masked rows"),
+    (7, 45, 300, config(16, 32, 64, SPLIT_K=2), "dot split-K, M < BLOCK_M, N and K tails"),
+    (37, 23, 136, config(16, 16, 128), "dot, three M tiles, K = 128 + 8"),
+    (64, 130, 256, config(64, 32, 128), "dot at M = 64, N = 130 (two 128-row blocks in a checkpoint's terms)"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K,cfg,reason", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+def test_fp8_linear_into(M, N, K, cfg, reason, dtype):
+    x, q, scale = make(M, N, K, dtype, seed=M + N + K)
+    _, split, _, _ = lin.make_plan(M, N, K, cfg, fp8=True)
+    out = poisoned(M, N, dtype=dtype)
+    ws = poisoned(split, M, N) if split > 1 else None
+    lin.linear_into(x, q, out, config=cfg, workspace=ws, scale=scale)
+    assert rel_err(out, reference(x, q, scale)) < TOL[dtype], reason
+
+
+@pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last skinny", "M65 fp8 x fp8"])
+def test_fp8_linear_default_configs_and_reference(M):
+    """The public op (default configs; fp8 defaults keep BLOCK_K <= 128) and naive.linear, across the hand-over
+    (above 64 rows the activations are quantized too: compared with the same quantization in the reference)."""
+    x, q, scale = make(M, 70, 300, torch.float32, seed=M)
+    ref = reference(x, q, scale)
+    act_ref = act_quantized(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
+    assert rel_err(lin.linear(x, q, scale), act_ref) < TOL[torch.float32]
+    assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
+    assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= 128
+
+
+def test_fp8_row_slice_of_a_fused_buffer():
+    """A sub-projection of a fused fp8 buffer (the model's layout): weight and scale row slices with their strides."""
+    x, q, scale = make(1, 70, 300, torch.float32, seed=3)
+    out = lin.linear(x, q[33:34], scale[33:34])  # shared_expert_gate: one row
+    assert rel_err(out, reference(x, q[33:34], scale[33:34])) < TOL[torch.float32]
+
+
+def test_fp8_configs_and_inputs_are_checked():
+    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
+        lin.make_plan(1, 8, 512, config(1, 8, 256), fp8=True)
+    x, q, scale = make(1, 8, 300, torch.float32)
+    with pytest.raises(ValueError, match=r"row-contiguous float32 scale \[8, 3\], got .* torch.float32 \[8, 1\]"):
+        lin.linear(x, q, scale[:, :1])
+    with pytest.raises(ValueError, match=r"x is torch.float32 but weight is torch.float8_e4m3fn"):
+        lin.linear(x, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(12352, 2048), (1281, 2048), (2048, 512), (248320, 2048)])
+@pytest.mark.parametrize("M", [1, 8, 64, 65])
+def test_fp8_linear_gpu_bf16(N, K, M):
+    """35B projection shapes (gdn_in, moe_in, shared_down, lm_head) in bf16 on the default configs, against fp32 on
+    the dequantized weight: the bf16 activations' and output's rounding only; a CUDA-graph replay equals eager."""
+    from tests.helpers import captured
+
+    gen = torch.Generator(device="cuda").manual_seed(N + M)
+    x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+    ref = x.float() @ dequantize(q, scale).T
+    out = lin.linear(x, q, scale)
+    if M > lin.MAX_M:  # FP8 x FP8: exact up to bf16 rounding on the quantized activations; a few % on x itself
+        assert rel_err(out, ref) < 6e-2
+        ref = act_quantized(x.float()).float() @ dequantize(q, scale).T
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    graph, replayed = captured(lambda: lin.linear(x, q, scale))
+    graph.replay()
+    torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+
+
+def act_quantized(x):
+    """x with each (token, 128-wide group) quantized as the FP8 prefill does (kernels/fp8.quantize_rows's rule)."""
+    q, s = quantize_rows(x)
+    return dequantize(q, s, torch.float64)
+
+
+@pytest.mark.parametrize(
+    "M,N,K",
+    [(65, 40, 300), (130, 33, 128), (70, 130, 100)],
+    ids=["M 65 K tail", "two M tiles, one K block", "K < 128, N two row tiles"],
+)
+def test_fp8_prefill_quantizes_activations_per_token_group(M, N, K):
+    """M > 64: FP8 x FP8. Against the product of the per-group quantized activations and the weight: only fp32
+    summation error; against the unquantized activations: the activations' FP8 rounding (~2^-4 / sqrt(3) per
+    element, so a few % of the output), the op's stated error."""
+    x, q, scale = make(M, N, K, torch.float32, seed=M)
+    x[3] *= 1e3  # one token far larger than the others: its groups' scales are its own
+    x[5, : min(K, 128)] = 0  # an all-zero group (scale 1)
+    out = lin.linear(x, q, scale)
+    w = dequantize(q, scale, torch.float64)
+    assert rel_err(out, act_quantized(x) @ w.T) < 1e-5
+    assert rel_err(out, x.double() @ w.T) < 0.05
+    assert rel_err(out[3:4], x[3:4].double() @ w.T) < 0.05  # the large token does not swamp the others' scales
+    assert rel_err(out[:3], x[:3].double() @ w.T) < 0.05
+
+
+def test_fp8_prefill_can_dequantize_instead(monkeypatch):
+    x, q, scale = make(65, 40, 300, torch.float32)
+    monkeypatch.setattr(lin, "FP8_PREFILL", "dequantize")
+    assert torch.equal(lin.linear(x, q, scale), naive.linear(x, q, scale))
+
+
+@pytest.mark.parametrize(
+    "M,N,K,cfg,reason",
+    [
+        (1, 37, 300, config(1, 8, 128), "one scale per step; the peeled first step takes its own scale"),
+        (1, 33, 300, config(1, 4, 64, SPLIT_K=3), "split-K: each split's peeled step starts mid-scale-block"),
+    ],
+    ids=["gemv", "split-k"],
+)
+def test_add_rms_norm_linear_fp8(M, N, K, cfg, reason):
+    """The add + RMSNorm prologue on an fp8 weight: the projection of the normed rows equals the dequantized
+    weight's, normed and hidden are the norm's."""
+    x, q, scale = make(M, N, K, torch.float32, seed=K)
+    gen = torch.Generator().manual_seed(1)
+    residual, nw = torch.randn(M, K, generator=gen), 0.1 * torch.randn(K, generator=gen)
+    out, normed, hidden = poisoned(M, N), poisoned(M, K), poisoned(M, K)
+    _, split, _, _ = lin.make_plan(M, N, K, cfg, fp8=True)
+    ws = poisoned(split, M, N) if split > 1 else None
+    norm = (residual, nw, 1e-6, normed, hidden)
+    lin.linear_into(x, q, out, config=cfg, workspace=ws, scale=scale, norm=norm)
+    ref_out, ref_normed, _ = naive.add_rms_norm_linear(x.double(), residual.double(), nw.double(), 1e-6, q, scale)
+    assert rel_err(out, ref_out) < TOL[torch.float32], reason
+    assert rel_err(normed, ref_normed) < TOL[torch.float32], reason
+    assert torch.equal(hidden, x + residual), reason

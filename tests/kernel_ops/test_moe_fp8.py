@@ -1,0 +1,155 @@
+"""The Triton MoE block with FP8 weights (kernels/fp8.py layout) against the reference on the dequantized weights in
+float64: GEMV (M = 1), decode (M <= 64) and the sorted prefill path, experts in FP8 with the shared expert in FP8 or
+not (the two checkpoint formats), several scale blocks along every K, empty experts, poisoned scratch."""
+
+import pytest
+import torch
+
+from kernels.fp8 import dequantize, quantize_rows
+from kernels.moe import naive
+from kernels.moe import triton as moe
+from tests.helpers import poisoned, rel_err
+from tests.kernel_ops.test_moe import decode_poisoned, make_routing, same_experts
+
+# fp8 weights are exact; the only error is the arithmetic's (fp16: the activations and h round as in the dense path)
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def quantized(w):
+    """w [..., N, K] with K blocks of very different size (a scale read for the wrong block shows) -> fp8, scale."""
+    w = w.clone()
+    w[..., 128:256] *= 30
+    return quantize_rows(w)
+
+
+def fp8_block_args(M, H, E, I, Is, dtype, shared_fp8, router=None, seed=0):
+    """(x, proj, w13, w2, shared_down, scales): the experts fp8, the shared down projection fp8 when shared_fp8."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=gen).to(dtype)
+    w13, s13 = quantized(torch.randn(E, 2 * I, H, generator=gen) / H**0.5)
+    w2, s2 = quantized(torch.randn(E, H, I, generator=gen) / I**0.5)
+    in_proj = torch.randn(E + 2 * Is + 1, H, generator=gen) / H**0.5
+    proj = (x.float() @ in_proj.T).to(dtype)
+    if router is not None:
+        proj[:, :E] = router(M, E).to(dtype)
+    shared_down, s_shared = quantized(torch.randn(H, Is, generator=gen) / Is**0.5)
+    if not shared_fp8:
+        shared_down, s_shared = dequantize(shared_down, s_shared, dtype), None
+    return (x, proj, w13, w2, shared_down), (s13, s2, s_shared)
+
+
+def reference(args, scales, top_k):
+    x, proj, w13, w2, shared_down = args
+    s13, s2, s_shared = scales
+    f64 = torch.float64
+    shared = shared_down.double() if s_shared is None else dequantize(shared_down, s_shared, f64)
+    return naive.moe_block(
+        x.double(), proj.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), shared, top_k=top_k
+    )
+
+
+# Tiles small enough that every K loop runs several steps (2 per scale block), large enough for the interpreter.
+FP8_SMALL = {
+    "BLOCK_M": 16,
+    "up": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
+}
+FP8_GEMV_SMALL = {
+    "BLOCK_M": 1,
+    "up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
+}
+F32, F16 = torch.float32, torch.float16
+# (M, H, E, I, Is, K, router, dtype, shared fp8, reason); H = 300 is scale blocks 128, 128, 44 and I = 136 is 128, 8
+DECODE_CASES = [
+    (5, 300, 6, 136, 40, 2, None, F32, True, "scale blocks along H and I with tails, Is < 128, block format"),
+    (5, 300, 6, 136, 40, 2, None, F16, False, "fp16, the shared expert dense (compressed-tensors)"),
+    (12, 160, 16, 136, 136, 2, same_experts([0, 3]), F32, True, "14 of 16 experts get no token"),
+    (1, 160, 8, 136, 200, 3, None, F16, True, "one token on the tiled decode path, Is > I"),
+]
+
+
+@pytest.mark.parametrize(
+    "M,H,E,I,Is,K,router,dtype,shared_fp8,reason", DECODE_CASES, ids=[c[-1].split(",")[0] for c in DECODE_CASES]
+)
+def test_fp8_moe_block_decode(M, H, E, I, Is, K, router, dtype, shared_fp8, reason):
+    args, scales = fp8_block_args(M, H, E, I, Is, dtype, shared_fp8, router)
+    scratch = decode_poisoned(args[0], I, K, FP8_SMALL)
+    out = moe.moe_block_decode(*args, K, FP8_SMALL, scratch, *scales)
+    assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
+
+
+# (H, E, I, Is, K, dtype, shared fp8, reason)
+GEMV_CASES = [
+    (300, 8, 136, 40, 2, F32, True, "GEMV: H and I over several scale blocks with tails, the shared loop ends first"),
+    (256, 5, 40, 200, 5, F16, False, "GEMV: K = E, Is > I: the down loop runs past I (expert scales masked there)"),
+]
+
+
+@pytest.mark.parametrize(
+    "H,E,I,Is,K,dtype,shared_fp8,reason", GEMV_CASES, ids=[c[-1].split(":")[1] for c in GEMV_CASES]
+)
+def test_fp8_moe_block_gemv(H, E, I, Is, K, dtype, shared_fp8, reason):
+    args, scales = fp8_block_args(1, H, E, I, Is, dtype, shared_fp8, seed=H)
+    scratch = decode_poisoned(args[0], I, K, FP8_GEMV_SMALL)
+    out = moe.moe_block_decode(*args, K, FP8_GEMV_SMALL, scratch, *scales)
+    assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_fp8_fused_moe_sorted(dtype):
+    """The prefill path: 40 tokens, 2 of 6 experts empty, NaN scratch."""
+    M, H, E, I, K = 40, 160, 6, 136, 2
+    args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, dtype, shared_fp8=False)
+    x, _, w13, w2, _ = args
+    weights, ids = make_routing(M, E, K, experts=[0, 1, 3, 5])
+    h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
+    out = moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, FP8_SMALL, s13, s2)
+    f64 = torch.float64
+    ref = naive.fused_moe(x.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), weights.double(), ids)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("M", [1, 3, 65], ids=["M1 gemv_fp8", "M3 decode", "M65 prefill"])
+def test_fp8_moe_block_default_configs(M):
+    """The public op with its default configs (fp8 GEMV: BLOCK_K 128), and the torch reference given fp8 weights."""
+    args, scales = fp8_block_args(M, 300, 6, 136, 40, torch.float32, shared_fp8=True, seed=M)
+    ref = reference(args, scales, 2)
+    assert rel_err(moe.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
+    assert rel_err(naive.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
+
+
+def test_fp8_scales_and_configs_are_checked():
+    args, (s13, s2, s_shared) = fp8_block_args(1, 300, 6, 136, 40, torch.float32, shared_fp8=True)
+    with pytest.raises(ValueError, match=r"w13 and w2 are fp8 together"):
+        moe.moe_block_decode(*args, 2, None, None, s13, None, s_shared)
+    with pytest.raises(ValueError, match=r"shared_down is float8_e4m3fn but has no scale"):
+        moe.moe_block_decode(*args, 2, None, None, s13, s2, None)
+    with pytest.raises(ValueError, match=r"w2 with a scale must be .* float32 scale \[6, 300, 2\]"):
+        moe.moe_block_decode(*args, 2, None, None, s13, s2[..., :1], s_shared)
+    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
+        moe.moe_block_decode(*args, 2, moe.DEFAULT_CONFIGS["gemv"], None, s13, s2, s_shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 65])
+@pytest.mark.parametrize("shared_fp8", [True, False], ids=["block format", "shared expert dense"])
+def test_fp8_moe_block_gpu_35b(M, shared_fp8):
+    """35B shapes (E 256, H 2048, I = Is = 512, top-8) in bf16 on the default configs against the fp32 block on the
+    dequantized weights; bit-reproducible."""
+    torch.manual_seed(M)
+    E, H, I, K = 256, 2048, 512, 8
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
+    shared, s_shared = quantize_rows(torch.randn(H, I, device="cuda") / I**0.5)
+    if not shared_fp8:
+        shared, s_shared = dequantize(shared, s_shared, torch.bfloat16), None
+    proj = torch.randn(M, E + 2 * I + 1, device="cuda").bfloat16()
+    args, scales = (x, proj, w13, w2, shared), (s13, s2, s_shared)
+    out = moe.moe_block(*args, K, *scales)
+    f32 = torch.float32
+    shared32 = shared.float() if s_shared is None else dequantize(shared, s_shared)
+    ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
+    assert rel_err(out, ref) < 2e-2
+    assert torch.equal(moe.moe_block(*args, K, *scales), out)
