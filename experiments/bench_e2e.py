@@ -5,7 +5,8 @@ reference runner (eager, torch ops and Triton ops) and transformers' generate on
 Rows: batch 1 with prompts of 128 and 4096 tokens (TTFT, prefill tokens/s, decode ms/token p50/p90, tokens/s,
 fraction of the bandwidth floor = active weight bytes per token / copy bandwidth measured in this run); decode
 ms/step at batch 8 and 32; the reference runner on torch ops and on Triton ops (eager: host time per op call
-counts); transformers. Then one eager decode step with kernels=triton, profiled: CUDA kernels per step (launches)
+counts); transformers; the batch-1 loop on FP8 weights (model.weights=fp8, its floor from its own bytes). Then
+one eager decode step with kernels=triton, profiled: CUDA kernels per step (launches)
 and the step's GPU time per part (dense GEMVs, routed MoE, GDN, attention, norms, sampling, other) with the bytes
 each part must move and its achieved GB/s (results/profile_decode.{txt,json}); host µs per op call per group;
 peak GPU memory and the weight bytes (the fused projection buffers share the parameters' storage: they must add
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 from benchlib import ceilings, print_targets, target, write_json  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from qmoe.app import get_model, run_experiment  # noqa: E402
+from qmoe.app import MODELS, get_model, run_experiment  # noqa: E402
 from qmoe.metrics.measure import active_weight_bytes  # noqa: E402
 from qmoe.settings import validate  # noqa: E402
 
@@ -348,6 +349,20 @@ def main():
     if "launches_per_step" in extra["decode_profile"]:
         launches = extra["decode_profile"]["launches_per_step"]
         targets.append(target("CUDA kernels per decode step", launches, PER_LAYER_LAUNCHES * L + STEP_LAUNCHES, True))
+    save()
+
+    # The same loop on FP8 weights (model.weights=fp8: quantized on the device at build; the bf16 model is freed
+    # first), its floor from its own weight bytes.
+    del model
+    MODELS.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    r = run_experiment(config(*model_args, *fast, "model.weights=fp8", f"prompt.length={prompts[0]}",
+                              f"generation.max_new_tokens={new_tokens}"))  # fmt: skip
+    fp8_floor = r["bandwidth_floor"].get("floor_ms")
+    rows.append({**row_from(r, "qmoe copy-free loop, FP8 weights", fp8_floor), "peak_memory": r["memory"]})
+    if not args.smoke:
+        targets.append(target("decode ms/token, batch 1, prompt 128, FP8", rows[-1]["decode_ms_p50"], 1.15, True))
     save()
 
     w = extra["weights"]

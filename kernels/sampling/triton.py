@@ -100,10 +100,10 @@ def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.co
     return lo
 
 
-@triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_len"])
+@triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
     logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, n_counters, split,
-    chunk_len, R: tl.constexpr, BLOCK: tl.constexpr,
+    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 3] (max, sum of p relative to it, smallest finite
     logit) and part_i [B, split, 3] (first argmax, finite count, NaN flag); zeroes the rows' arrival counters
@@ -124,6 +124,7 @@ def _stats_kernel(
     total = tl.zeros((R,), tl.float32)  # sum of exp2((x - m_run) * c)
     n_finite = tl.zeros((R,), tl.int32)
     x_min = tl.full((R,), float("inf"), tl.float32)
+    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
         x, cols, msk = _load_block(base, off, V, row_ok, BLOCK)
@@ -176,7 +177,7 @@ def _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT: tl.
 
 # runtime values that would otherwise compile a variant each time they hit 1 (B = 1, strides of broadcast scalars)
 SEARCH_RUNTIME_ARGS = ["B", "temp_stride", "top_k_stride", "top_p_stride", "min_p_stride", "seed_stride",
-                       "step_stride", "split", "chunk_len"]  # fmt: skip
+                       "step_stride", "split", "chunk_blocks"]  # fmt: skip
 
 
 @triton.jit
@@ -252,7 +253,7 @@ def _speculative_gather_kernel(
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
     part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_len,
+    state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
 ):  # fmt: skip
@@ -266,6 +267,7 @@ def _speculative_gather_kernel(
     spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
     sbase = (rows * split + chunk) * (NT + 3)  # this chunk's partials
     region = (rows * split + chunk).to(tl.int64)[:, None] * CAP  # this chunk's slots
+    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
     n_spec = tl.zeros((R,), tl.int32)
@@ -289,7 +291,7 @@ def _threshold_count_kernel(
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
     part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_len,
+    state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
 ):  # fmt: skip
@@ -312,6 +314,7 @@ def _threshold_count_kernel(
     use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
     any_unfiltered = tl.max(unfiltered.to(tl.int32)) > 0
     sbase = (rows * split + chunk) * (NT + 3)
+    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     cnt = tl.zeros((R, NT), tl.int32)
     mass = tl.zeros((R, NT), tl.float32)
@@ -358,7 +361,7 @@ def _finish_kernel(
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
     part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_len,
+    state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
 ):  # fmt: skip
@@ -383,6 +386,7 @@ def _finish_kernel(
     j = tl.arange(0, NT)
     sbase = (rows * split + chunk) * (NT + 3)
     region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
+    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
     parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
@@ -485,10 +489,10 @@ def _finish_kernel(
     tl.store(out_ptr + rows, token, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["B", "split", "chunk_len"])
+@triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
 def _radix_round_kernel(
     logits_ptr, stride_row, B, V, state_i_ptr, state_f_ptr, round_cnt_ptr, round_mass_ptr, counter_ptr, split,
-    chunk_len, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """One round of the radix selection for the rows in a top-k / top-p phase (others exit at once). The row's
     bracket [lo, hi] of order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k,
@@ -521,6 +525,7 @@ def _radix_round_kernel(
         mass_slots = tl.zeros((R, BLOCK, NB), tl.float32)
         cnt_above = tl.zeros((R, BLOCK), tl.int32)  # key > hi: at or above every threshold
         mass_above = tl.zeros((R, BLOCK), tl.float32)
+        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
         start = chunk * chunk_len
         for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
             x, cols, msk = _load_block(base, off, V, busy, BLOCK)
@@ -574,10 +579,10 @@ def _radix_round_kernel(
             tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
 
 
-@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_len"])
+@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks"])
 def _race_kernel(
     logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
-    race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, chunk_len,
+    race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Rows whose cut the rounds found (others exit at once): the exponential race over the kept x of this chunk
@@ -598,6 +603,7 @@ def _race_kernel(
         step = tl.load(step_ptr + rows * step_stride, mask=racing, other=0).to(tl.int64)
         best = tl.full((R, BLOCK), float("-inf"), tl.float32)
         best_idx = tl.zeros((R, BLOCK), tl.int32) + V
+        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
         start = chunk * chunk_len
         for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
             x, cols, msk = _load_block(base, off, V, racing, BLOCK)
@@ -664,7 +670,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
-    chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
+    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks
     device = logits.device
     part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, 3, dtype=torch.int32, device=device)
@@ -687,30 +693,30 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     SPLIT = triton.next_power_of_2(split)
     _stats_kernel[grid](
         logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters, rounds + 2, split,
-        chunk_len, R=rows, BLOCK=block, num_warps=num_warps,
+        chunk_blocks, R=rows, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
     for kernel in (_speculative_gather_kernel, _threshold_count_kernel, _finish_kernel):
         kernel[grid](
             logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
             part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters[0], out, state, state_f,
-            split, chunk_len, R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=SPLIT,
+            split, chunk_blocks, R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=SPLIT,
             LOG_SPLIT=SPLIT.bit_length() - 1, num_warps=num_warps,
         )  # fmt: skip
     for r in range(rounds):
         _radix_round_kernel[grid](
-            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split, chunk_len,
+            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split, chunk_blocks,
             R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, num_warps=num_warps,
         )  # fmt: skip
     _race_kernel[grid](
         logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, race_f, race_i,
-        counters[rounds + 1], out, split, chunk_len, R=rows, BLOCK=block, SPLIT=SPLIT, num_warps=num_warps,
+        counters[rounds + 1], out, split, chunk_blocks, R=rows, BLOCK=block, SPLIT=SPLIT, num_warps=num_warps,
     )  # fmt: skip
     return out
 
 
-@triton.jit(do_not_specialize=["B", "split", "chunk_len"])
-def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, split, chunk_len,
+@triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
+def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, split, chunk_blocks,
                          BLOCK: tl.constexpr):  # fmt: skip
     """Greedy pass 1, program (chunk, row): the chunk's max (NaN if it holds a NaN) and its lowest index."""
     chunk = tl.program_id(0)
@@ -719,6 +725,7 @@ def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_pt
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32) + V
     nan_seen = tl.zeros((BLOCK,), tl.int32)
+    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
         cols = off + tl.arange(0, BLOCK)
@@ -751,13 +758,18 @@ def _combine_argmax_kernel(part_max_ptr, part_idx_ptr, out_ptr, B, split, R: tl.
 
 
 def launch_greedy(
-    logits: torch.Tensor, block: int | None = None, split: int | None = None, out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    block: int | None = None,
+    split: int | None = None,
+    out: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in two launches -> int64 [B]
     (into `out` when given: an exported method's planned buffer).
 
-    The row is cut into `split` chunks (~2048 programs in all on the GPU, like the sampler) so that B = 1
-    spreads over every SM; the second launch reduces <= SPLIT_MAX partials per row."""
+    The row is cut into `split` chunks (~8192 programs in all on the GPU: B = 1 spreads over every SM, and at
+    large B the last wave leaves few SMs idle); the second launch reduces <= GREEDY_SPLIT_MAX partials per row.
+    block / split / num_warps are tuning knobs."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
     if B == 0:
@@ -765,13 +777,14 @@ def launch_greedy(
     if block is None:
         block = min(2048, triton.next_power_of_2(V))
     if split is None:
-        split = min(GREEDY_SPLIT_MAX, triton.cdiv(2048, B), triton.cdiv(V, block)) if logits.is_cuda else 1
-    chunk_len = triton.cdiv(triton.cdiv(V, split), block) * block
+        split = min(GREEDY_SPLIT_MAX, triton.cdiv(8192, B), triton.cdiv(V, block)) if logits.is_cuda else 1
+    if num_warps is None:
+        num_warps = 8 if logits.is_cuda else 1
+    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks
     part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
-    num_warps = 8 if logits.is_cuda else 1
     _chunk_argmax_kernel[(split, B)](
-        logits, logits.stride(0), B, V, part_max, part_idx, split, chunk_len, BLOCK=block, num_warps=num_warps
+        logits, logits.stride(0), B, V, part_max, part_idx, split, chunk_blocks, BLOCK=block, num_warps=num_warps
     )
     rows = 16 if logits.is_cuda else min(triton.next_power_of_2(B), 64)
     _combine_argmax_kernel[(triton.cdiv(B, rows),)](
