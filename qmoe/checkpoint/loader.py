@@ -20,7 +20,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from qmoe.model.config import ModelConfig
-from qmoe.model.qwen35_moe import Qwen35MoE, build_model
+from qmoe.model.qwen35_moe import Qwen35MoE, build_model, shard_blocks
+from qmoe.parallel.layout import SINGLE, Layout
 
 CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"
 INDEX, SINGLE_FILE, TOKENIZER = "model.safetensors.index.json", "model.safetensors", "tokenizer.json"
@@ -221,11 +222,47 @@ def _plan(cfg: ModelConfig, tensors: dict, dtype: torch.dtype) -> _Plan:
     return _Plan(prefix, layout, reads, skipped)
 
 
+def key_blocks(full_shape: tuple, dims: dict | None, expert: int | None, part: str | None, I: int):
+    """(index into the checkpoint tensor, index into the local parameter) of every piece of this rank's slice
+    that one checkpoint tensor holds: the tensor covers its whole parameter, or (per expert) one expert's gate,
+    up or down block of it (then dim 0, the expert, is absent from the tensor)."""
+    region = [(0, n) for n in full_shape]
+    if expert is not None:
+        region[0] = (expert, expert + 1)
+        if part in ("gate", "up"):
+            region[1] = (0, I) if part == "gate" else (I, 2 * I)
+    blocks = shard_blocks(dims) if dims else [((), ())]
+    for src, dst in blocks:
+        src = src + (slice(None),) * (len(full_shape) - len(src))
+        dst = dst + (slice(None),) * (len(full_shape) - len(dst))
+        read, write = [], []
+        for d, (s, t, (lo_r, hi_r)) in enumerate(zip(src, dst, region)):
+            lo, hi = (s.start, s.stop) if s.start is not None else (0, full_shape[d])
+            a, b = max(lo, lo_r), min(hi, hi_r)
+            if a >= b:
+                break  # this piece of the slice lies outside the tensor
+            at = (t.start or 0) + a - lo
+            if expert is not None and d == 0:
+                write.append(at)  # the expert's own index; the tensor has no expert dim
+            else:
+                read.append(slice(a - lo_r, b - lo_r))
+                write.append(slice(at, at + b - a))
+        else:
+            yield tuple(read), tuple(write)
+
+
+def read_slice(f, key: str, index: tuple) -> torch.Tensor:
+    """The part `index` of tensor `key` (only those bytes of the memory-mapped file are touched)."""
+    return f.get_slice(key)[index] if index else f.get_tensor(key)
+
+
 @torch.no_grad()
 def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bool) -> None:
-    """Copy every planned tensor into its parameter (or one expert's rows of a fused one), shard by shard."""
+    """Copy every planned tensor (this rank's slices of it, when sharded) into its parameter, shard by shard."""
     params = dict(model.named_parameters())
+    specs = model.shard_specs()
     I = model.config.moe_intermediate_size
+    full = _full_shapes(model)
     by_file: dict[str, list] = {}
     for key, target in plan.reads.items():
         by_file.setdefault(tensors[key][0], []).append((key, *target))
@@ -233,14 +270,22 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     for file, reads in by_file.items():
         with safe_open(path / file, framework="pt") as f:  # memory-mapped: pages are read as each tensor is copied
             for key, name, expert, part in reads:
-                dest = params[name] if expert is None else params[name][expert]
-                dest = dest[:I] if part == "gate" else dest[I:] if part == "up" else dest
-                try:
-                    dest.copy_(f.get_tensor(key).to(dest.device))  # moved in its stored dtype, cast on the device
-                except Exception as e:
-                    raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
+                for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
+                    try:  # moved in its stored dtype, cast on the device
+                        params[name][dst].copy_(read_slice(f, key, index).to(params[name].device))
+                    except Exception as e:
+                        raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
                 bar.update()
     bar.close()
+
+
+def _full_shapes(model: Qwen35MoE) -> dict[str, tuple]:
+    """The unsharded shape of every parameter (its own shape when the model is not sharded)."""
+    from qmoe.model.qwen35_moe import full_shapes
+
+    if not model.layout.sharded:
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(shape) for name, shape in full_shapes(model.config).items()}
 
 
 def _status_bytes(field_name: str) -> int:
@@ -304,8 +349,10 @@ def load_checkpoint(
     arch_overrides: dict | None = None,
     progress: bool = False,
     shard_identity: str = "size+mtime",
+    layout: Layout = SINGLE,
 ) -> tuple[Qwen35MoE, CheckpointInfo]:
-    """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors.
+    """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors (this
+    rank's slices of them under `layout`: each read touches only its slice of the memory-mapped file).
 
     Raises CheckpointError before any weight is copied for a bad config, missing/unexpected tensors, wrong shapes,
     uncastable dtypes, corrupt or truncated shards and index entries naming absent shards."""
@@ -321,7 +368,7 @@ def load_checkpoint(
     plan = _plan(cfg, tensors, dtype)
     hashes = file_hashes(path, files, shard_identity)
 
-    model = build_model(cfg, dtype, device, seed=None)
+    model = build_model(cfg, dtype, device, seed=None, layout=layout)
     _fill(model, path, plan, tensors, progress)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -71,10 +71,13 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 256 * 2**20, reps: in
     return _COPY_GBS[key]
 
 
-def bandwidth_floor(config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None) -> dict:
+def bandwidth_floor(
+    config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None, shards: int = 1
+) -> dict:
     """floor = active weight bytes per decode step (batch 1) / device copy bandwidth; the copy ceiling only on a
-    GPU (on the CPU there is no floor to report)."""
-    active = active_weight_bytes(config, dtype)
+    GPU (on the CPU there is no floor to report). With the model sharded over `shards` GPUs each reads about
+    1 / shards of them."""
+    active = active_weight_bytes(config, dtype) // shards
     out = {"active_weight_bytes": active, "copy_gbs": None, "floor_ms": None, "fraction_of_decode_p50": None}
     if device.type == "cuda":
         gbs = copy_bandwidth_gbs(device)

@@ -54,7 +54,15 @@ def init(tp: int, ep: int, device_type: str) -> Layout:
     return layout
 
 
-def report_failure(message: str) -> bool:
+def shutdown() -> None:
+    """Leave the process group (at the end of a run that joined one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def report_failure() -> bool:
     """Tell the other ranks this one failed (through the store torchrun's rendezvous made); False if another
     rank already had (then this rank's error is the echo of that one: its peer vanished mid-collective)."""
     import torch.distributed as dist
@@ -63,7 +71,6 @@ def report_failure(message: str) -> bool:
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
-        first = store.add("qmoe_failed", 1) == 1
-        return first
+        return store.add("qmoe_failed", 1) == 1
     except Exception:  # noqa: BLE001 - the store went with a failed peer: report, do not hide the error
         return True

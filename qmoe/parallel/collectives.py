@@ -44,6 +44,7 @@ def record(kind: str, nbytes: int, group: str) -> None:
     """The one site that records a collective: into the active ledger, and into the capture being made."""
     if ACTIVE.captured is not None:
         ACTIVE.captured.append((kind, nbytes, group))
+        return  # a capture runs nothing: each replay records it (replayed)
     if ACTIVE.ledger is not None:
         ACTIVE.ledger.record_collective(kind, nbytes, ACTIVE.method, group)
 
