@@ -28,11 +28,11 @@ GREEDY = SamplingSettings(0.0, 0, 1.0, 0.0, 0)
 SAMPLED = SamplingSettings(0.8, 20, 0.9, 0.02, 3)  # every filter on, so every global cut is exercised
 PROMPTS = [[5, 17, 300, 2, 9], [44, 1, 8, 250, 13, 77, 6, 31]]  # ragged: row 1 reads its prompt while row 0 decodes
 NEW = 5
-LAYOUTS = {
-    "tp2": (2, 1),
-    "tp4": (4, 1),  # more ranks than kv heads (2) and DeltaNet key heads (2): those are replicated
-    "ep2": (1, 2),
-    "tp2xep2": (2, 2),
+LAYOUTS = {  # (tp, ep, also run the exported cuda_native loop)
+    "tp2": (2, 1, True),
+    "tp4": (4, 1, False),  # more ranks than kv heads (2) and DeltaNet key heads (2): those are replicated
+    "ep2": (1, 2, False),
+    "tp2xep2": (2, 2, False),
 }
 
 
@@ -83,7 +83,7 @@ class CollectiveCounter:
             setattr(dist, name, counted)
 
 
-def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, queue) -> None:
+def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, exported: bool, queue) -> None:
     """Everything one rank checks; the test process compares what rank 0 reports with one process."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * ep), LOCAL_RANK=str(rank)
@@ -133,6 +133,18 @@ def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, 
     out["sampler"] = sampling.sample(mine, layout.rank * Vl, *params.values()).tolist()
     out["sampler_greedy"] = sampling.greedy(mine[:2], layout.rank * Vl).tolist()
 
+    if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
+        from qmoe.export import ExportSettings
+        from qmoe.runtime.cuda_native import CudaNativeRunner
+        from qmoe.runtime.executor import build_program
+
+        for name, s, split in (("greedy", GREEDY, "split"), ("sampled", SAMPLED, "fused")):
+            model.set_kernels({}, greedy=s.greedy)
+            flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
+            settings = ExportSettings(preset="copy_elided", method_split=split, device_memory_planning=True, **flags)
+            runner = CudaNativeRunner(build_program(model, settings, 2, 32), model, s, 2, TransferLedger(), False)
+            out[f"exported_{name}"] = generate(runner, PROMPTS, NEW).tokens
+
     if checkpoint is not None:
         reads, read = [], loader.read_slice
 
@@ -157,11 +169,12 @@ def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, 
     parallel.shutdown()
 
 
-def run_ranks(tp: int, ep: int, checkpoint: str | None = None) -> dict:
+def run_ranks(tp: int, ep: int, checkpoint: str | None = None, exported: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_checks, args=(r, tp, ep, port, checkpoint, queue)) for r in range(tp * ep)]
+    args = (tp, ep, port, checkpoint, exported, queue)
+    procs = [ctx.Process(target=rank_checks, args=(r, *args)) for r in range(tp * ep)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in procs]
@@ -211,13 +224,16 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_sharded_run_equals_one_process(layout, one_process, checkpoint):
-    tp, ep = LAYOUTS[layout]
-    got = run_ranks(tp, ep, checkpoint)
+    tp, ep, exported = LAYOUTS[layout]
+    got = run_ranks(tp, ep, checkpoint, exported)
     assert got["init_mismatch"] == []  # each shard is the slice of the unsharded model with the same seed
     for step, (mine, ref) in enumerate(zip(got["logits"], one_process["logits"])):
         assert rel_err(torch.tensor(mine), ref) < 1e-5, f"logits at step {step}"  # fp32, sums in another order
     assert got["greedy"] == one_process["greedy"]
     assert got["sampled"] == one_process["sampled"]  # Philox-style race keyed by the global token index
+    if exported:
+        assert got["exported_greedy"] == one_process["greedy"]
+        assert got["exported_sampled"] == one_process["sampled"]
 
     V = 64 * tp * ep
     cases, params = sampler_cases(V)
