@@ -65,6 +65,7 @@ class GatedAttention(nn.Module):
             layout.heads(cfg.num_key_value_heads),
         )
         self.head_dim, self.eps = D, cfg.rms_norm_eps
+        self.group = "tp" if layout.tp > 1 else None  # the partial sums of o_proj's row-parallel slices
         # {parameter: {dim: [(first, count), ...]}}: this rank's rows / columns of the full tensor
         self.shards = {
             "q_proj.weight": {0: [(q0 * 2 * D, self.num_heads * 2 * D)]},
@@ -93,7 +94,7 @@ class GatedAttention(nn.Module):
         norms, caches = (self.q_norm.weight, self.k_norm.weight), (self.k_cache, self.v_cache)
         scale = self.head_dim**-0.5
         out = ops["attention"].gated_attention(q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale)
-        return collectives.all_reduce(ops["linear"].linear(out, self.o_proj.weight), "tp")  # out [B, T, Hq * D]
+        return collectives.reduced(ops["linear"].linear(out, self.o_proj.weight), self.group)  # out [B, T, Hq * D]
 
 
 class GatedDeltaNet(nn.Module):
@@ -106,6 +107,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
         self.kernel_size, self.eps = cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        self.group = "tp" if layout.tp > 1 else None  # the partial sums of out_proj's row-parallel slices
         qk = cfg.linear_num_key_heads * self.dk  # the full [q | k | v] channels: this rank's heads of each part
         channels = [(k0 * self.dk, self.nk * self.dk), (qk + k0 * self.dk, self.nk * self.dk)]
         channels.append((2 * qk + v0 * self.dv, self.nv * self.dv))
@@ -153,7 +155,7 @@ class GatedDeltaNet(nn.Module):
             self.nk,
             self.eps,
         )
-        return collectives.all_reduce(ops["linear"].linear(core, self.out_proj.weight), "tp")
+        return collectives.reduced(ops["linear"].linear(core, self.out_proj.weight), self.group)
 
 
 class Experts(nn.Module):
@@ -189,6 +191,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg, layout)
         self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, layout)
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
+        self.group = "world" if layout.sharded else None  # every rank's experts and slices: partial sums
 
     def forward(self, x, ops):  # x [B, T, H]
         rows = x.flatten(0, 1)  # [M, H]
@@ -200,7 +203,7 @@ class SparseMoE(nn.Module):
             out = moe_block_ep(rows, proj, e.gate_up_proj, e.down_proj, shared_down, self.top_k, e.first)
         else:
             out = ops["moe"].moe_block(rows, proj, e.gate_up_proj, e.down_proj, shared_down, self.top_k)
-        return collectives.all_reduce(out, "world").view_as(x)  # partial sums of every rank's experts and slices
+        return collectives.reduced(out, self.group).view_as(x)
 
 
 class DecoderLayer(nn.Module):

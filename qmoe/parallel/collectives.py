@@ -112,6 +112,11 @@ def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return x if size(group) == 1 else _all_reduce_op(x, group, op)
 
 
+def reduced(x: torch.Tensor, group: str | None) -> torch.Tensor:
+    """The sum of x over `group` (a module's partial sums); x itself for None (the module is not sharded)."""
+    return x if group is None else _all_reduce_op(x, group, "sum")
+
+
 def all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
     """[group size, *x.shape]: every rank's x, in rank order."""
     return x[None] if size(group) == 1 else _all_gather_op(x, group)
