@@ -15,6 +15,7 @@ an exported method holds a fixed graph).
 """
 
 import torch
+import torch.nn.functional as F
 
 from kernels.sampling.naive import INVALID_TOKEN, uniform_noise
 from qmoe.parallel.collectives import all_gather, all_reduce, size
@@ -28,14 +29,16 @@ def global_cut(values: torch.Tensor, weights: torch.Tensor, target: torch.Tensor
     """values [B, Vl] >= 0 (a rank's slice), weights [B, Vl], target [B] > 0 -> t* [B] fp64: the smallest value t
     with sum over every rank of weights where values > t below target."""
     B = values.shape[0]
+    ascending, order = values.sort(-1)  # once per call: each pivot is then a binary search, not a pass over Vl
+    prefix = F.pad(weights.gather(1, order).cumsum(-1), (1, 0))  # [B, Vl + 1]: weight of the k smallest
     lo = torch.full((B,), -1, dtype=torch.int64, device=values.device)  # measure(lo) >= target (or below 0)
     hi = torch.full((B,), POS_INF_KEY, dtype=torch.int64, device=values.device)  # measure(hi) < target
     j = torch.arange(1, SEARCH_PIVOTS + 1, device=values.device)
     for _ in range(SEARCH_ROUNDS):
         step = ((hi - lo) // (SEARCH_PIVOTS + 1)).clamp(min=1)
         pivots = torch.minimum(lo[:, None] + step[:, None] * j, hi[:, None])  # [B, P] ascending keys
-        above = values[:, :, None] > pivots.view(torch.float64)[:, None, :]  # [B, Vl, P]
-        measure = all_reduce((above * weights[:, :, None]).sum(1), "world")  # [B, P]
+        at_most = torch.searchsorted(ascending, pivots.view(torch.float64), right=True)  # [B, P]: values <= pivot
+        measure = all_reduce(prefix[:, -1:] - prefix.gather(1, at_most), "world")  # [B, P]: weight above pivot
         below = measure < target[:, None]
         first = torch.where(below.any(-1), below.int().argmax(-1), SEARCH_PIVOTS)  # first pivot below target
         lo = torch.where(first > 0, pivots.gather(1, (first - 1).clamp(min=0)[:, None])[:, 0], lo)
