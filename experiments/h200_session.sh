@@ -2,7 +2,7 @@
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, tune_moe, bench_moe, tune_gemv, bench_gemv, bench_sampling, bench_gdn,
-#         bench_attention, bench_norm, bench_checkpoint, runtime, e2e.
+#         bench_attention, bench_norm, bench_checkpoint, runtime, e2e, tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -51,6 +51,7 @@ except Exception as e:
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
+    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done

@@ -278,6 +278,32 @@ def test_layout_error_names_the_dimension(tp, ep, key):
     assert layout_errors(TINY_ARCH, tp, ep)[0] == key
 
 
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["parallel.tp=2", "kernels.sampling=triton"], "kernels.sampling: the Triton sampler has no vocab-parallel"),
+        (["parallel.tp=2", "runtime=host"], "runtime: host samples full logits on the CPU"),
+        (["parallel.ep=2", "kernels.moe=triton"], "kernels.moe: the Triton MoE kernels hold every expert"),
+        (
+            ["parallel.tp=2", "model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=6"],
+            "model.arch.num_key_value_heads: 3 is not divisible by parallel.tp=2, nor parallel.tp by it",
+        ),
+        (["parallel.tp=0"], "parallel.tp: must be >= 1"),
+    ],
+    ids=["triton_sampler", "host", "ep_triton_moe", "kv_heads", "tp0"],
+)
+def test_parallel_settings_are_one_line(overrides, line, monkeypatch):
+    """Under torchrun (WORLD_SIZE=2) the config says in one line what has no sharded path."""
+    from compose import compose_config
+
+    from qmoe.settings import ConfigError, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config("logger=none", *overrides))
+    assert str(e.value).startswith(line), str(e.value)
+
+
 def cli(args, env=None, timeout=120):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -336,3 +362,19 @@ def test_failing_rank_stops_every_rank_with_one_line(tmp_path):
     assert ours == ["rank 1: error: RuntimeError: disk on fire"], p.stderr
     assert "qmoe" not in "".join(line for line in p.stderr.splitlines() if line.startswith("  File"))  # no rank's
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_captured_collectives_are_recorded_once_per_replay():
+    """A CUDA-graph capture launches nothing: its collectives are recorded by each replay (graphs.py), not twice."""
+    from qmoe.parallel import collectives
+
+    ledger = TransferLedger().at("decode", 1)
+    with collectives.recording(ledger, "decode"):
+        with collectives.capturing() as captured:
+            collectives.record("all_reduce", 4096, "tp")
+        assert ledger.collectives == []
+        for _ in range(3):
+            collectives.replayed(captured)
+    assert [(c.kind, c.nbytes, c.method, c.group) for c in ledger.collectives] == [
+        ("all_reduce", 4096, "decode", "tp")
+    ] * 3

@@ -59,7 +59,7 @@ def heads_error(n: int, tp: int) -> str | None:
     """Why `n` heads cannot be split `tp` ways (None if they can): tp must divide n, or n divide tp."""
     if n % tp == 0 or tp % n == 0:
         return None
-    return f"{n} is not divisible by tp={tp} (nor tp by it)"
+    return f"{n} is not divisible by parallel.tp={tp}, nor parallel.tp by it"
 
 
 def layout_errors(arch: dict, tp: int, ep: int) -> list[str]:

@@ -56,7 +56,7 @@ def pick(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """value, index [W, B] (each rank's candidate) -> the global index [B] int64 of the largest value, the lowest
     index on ties, as one process's argmax picks it."""
     best = value.max(0).values
-    return torch.where(value == best, index, float("inf")).min(0).values.long()
+    return torch.where(value == best, index, float("inf")).min(0).values.clamp(max=2**62).long()  # NaN rows: any
 
 
 def candidates(logits: torch.Tensor, start: int, race: torch.Tensor | None) -> torch.Tensor:
