@@ -28,11 +28,11 @@ GREEDY = SamplingSettings(0.0, 0, 1.0, 0.0, 0)
 SAMPLED = SamplingSettings(0.8, 20, 0.9, 0.02, 3)  # every filter on, so every global cut is exercised
 PROMPTS = [[5, 17, 300, 2, 9], [44, 1, 8, 250, 13, 77, 6, 31]]  # ragged: row 1 reads its prompt while row 0 decodes
 NEW = 5
-LAYOUTS = {  # (tp, ep, also run the exported cuda_native loop)
-    "tp2": (2, 1, True),
-    "tp4": (4, 1, False),  # more ranks than kv heads (2) and DeltaNet key heads (2): those are replicated
-    "ep2": (1, 2, False),
-    "tp2xep2": (2, 2, False),
+LAYOUTS = {  # (tp, ep, also run the exported cuda_native loop, the checkpoint's expert layout)
+    "tp2": (2, 1, True, "fused"),
+    "tp4": (4, 1, False, "per_expert"),  # more ranks than kv heads (2) and DeltaNet key heads (2): replicated
+    "ep2": (1, 2, False, "fused"),
+    "tp2xep2": (2, 2, False, "per_expert"),
 }
 
 
@@ -205,27 +205,31 @@ def one_process():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The tiny model (seed 3) as a checkpoint, experts per expert: the loader slices both layouts' parts."""
+def checkpoints(tmp_path_factory):
+    """The tiny model (seed 3) as a checkpoint per expert layout (fused experts, or one tensor per expert and
+    part), in several shards."""
     from qmoe.checkpoint.synth import write_checkpoint
 
-    return str(
-        write_checkpoint(
-            tiny_config(),
-            tmp_path_factory.mktemp("ckpt"),
-            seed=3,
-            dtype=torch.float32,
-            expert_layout="per_expert",
-            shard_bytes=200_000,
+    return {
+        layout: str(
+            write_checkpoint(
+                tiny_config(),
+                tmp_path_factory.mktemp(layout),
+                seed=3,
+                dtype=torch.float32,
+                expert_layout=layout,
+                shard_bytes=200_000,
+            )
         )
-    )
+        for layout in ("fused", "per_expert")
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_sharded_run_equals_one_process(layout, one_process, checkpoint):
-    tp, ep, exported = LAYOUTS[layout]
-    got = run_ranks(tp, ep, checkpoint, exported)
+def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
+    tp, ep, exported, expert_layout = LAYOUTS[layout]
+    got = run_ranks(tp, ep, checkpoints[expert_layout], exported)
     assert got["init_mismatch"] == []  # each shard is the slice of the unsharded model with the same seed
     for step, (mine, ref) in enumerate(zip(got["logits"], one_process["logits"])):
         assert rel_err(torch.tensor(mine), ref) < 1e-5, f"logits at step {step}"  # fp32, sums in another order
