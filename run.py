@@ -4,6 +4,7 @@ Heavy imports happen inside `main`, so `python run.py --help` is fast. Bad input
 stderr naming the key and what is allowed, and exit code 2.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,11 +14,48 @@ from omegaconf import DictConfig
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_FAILED = 1
+RANK = int(os.environ.get("RANK", "0"))  # under torchrun: this process's rank (rank 0 alone reports and writes)
+DISTRIBUTED = int(os.environ.get("WORLD_SIZE", "1")) > 1
+RANK_GRACE_S = 20  # how long a rank > 0 leaves rank 0 to report a bad input first
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    """Bad input: one line (from rank 0 only: every rank checks the same config) and exit 2. The other ranks
+    wait for torchrun to end them once rank 0 has exited, so that they cannot end rank 0 before it has said why."""
+    if RANK == 0:
+        print(f"error: {message}", file=sys.stderr)
+    elif DISTRIBUTED:
+        import time
+
+        time.sleep(RANK_GRACE_S)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def fail_rank(message: str, code: int) -> None:
+    """A sharded run failed on this rank: one line naming it, unless another rank failed first (this rank's error
+    is then that failure seen from here: its peer left a collective), and the process ends at once, so no rank
+    waits in a collective for it (torchrun ends the ranks still blocked in one)."""
+    from qmoe.parallel import report_failure
+
+    if report_failure():
+        print(f"rank {RANK}: error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def rank_overrides() -> list[str]:
+    """Hydra overrides for ranks > 0: no run directory, no log files (rank 0 writes them)."""
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix=f"qmoe-rank{RANK}-")
+    return [
+        f"hydra.run.dir={scratch}",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
 
 
 def preflight(argv: list[str]) -> None:
@@ -126,17 +164,30 @@ def main(cfg: DictConfig) -> None:
     with open_dict(cfg):
         cfg.model.arch_overrides = {**cfg.model.arch_overrides, **explicit_arch_overrides(list(hc.overrides.task))}
     try:
-        results = run_experiment(cfg, run_dir=run_dir, progress=sys.stderr.isatty())
+        results = run_experiment(cfg, run_dir=run_dir, progress=sys.stderr.isatty() and RANK == 0)
     except BAD_INPUT_ERRORS as e:
         discard_run_dir(run_dir)
+        if DISTRIBUTED:
+            fail_rank(first_line(e), EXIT_BAD_INPUT)
         fail(first_line(e))
     except KeyboardInterrupt:
         discard_run_dir(run_dir)
         print("interrupted before the first decode step was measured: nothing written", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    except Exception:
-        (Path(run_dir) / "error.txt").write_text(traceback.format_exc())  # the directory holds the error
+    except Exception as e:
+        if RANK == 0:
+            (Path(run_dir) / "error.txt").write_text(traceback.format_exc())  # the directory holds the error
+        if DISTRIBUTED:
+            fail_rank(f"{type(e).__name__}: {first_line(e)}", EXIT_FAILED)
         raise
+    from qmoe.parallel import shutdown
+
+    shutdown()
+    if RANK != 0:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)  # the scratch directory rank_overrides gave it
+        return
     table = summary_table(results)
     log.info("summary\n" + table)
     print(table)
@@ -155,4 +206,6 @@ if __name__ == "__main__":
         for a in sys.argv[1:]
     ):
         preflight(sys.argv[1:])
+    if RANK > 0:
+        sys.argv += rank_overrides()
     main()

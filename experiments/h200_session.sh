@@ -3,7 +3,7 @@
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
 #         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
-#         bench_checkpoint_fp8, runtime, e2e, profile, pdl.
+#         bench_checkpoint_fp8, runtime, e2e, profile, pdl, tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -57,6 +57,7 @@ except Exception as e:
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
     profile) run_stage profile python3 experiments/bench_e2e.py --profile-only ;;
     pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
+    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from qmoe import parallel
 from qmoe.metrics.logging import log_wandb, write_results
 from qmoe.metrics.measure import (
     available_memory_bytes,
@@ -42,9 +43,17 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C before a single decode step was measured: there is nothing to write."""
 
 
+def check_layout(config: ModelConfig, layout: parallel.Layout) -> None:
+    """Every dimension the layout shards must split evenly (a checkpoint's dims are known only once it is read)."""
+    errors = parallel.layout_errors(config.to_dict(), layout.tp, layout.ep) if layout.sharded else []
+    if errors:
+        raise ConfigError(errors[0])
+
+
 def check_memory(config: ModelConfig, s: Settings, name: str, fp8=frozenset()) -> None:
-    """Refuse, before anything is allocated, weights larger than the device's free memory."""
-    needed, available = weight_nbytes(config, s.dtype, fp8), available_memory_bytes(s.device)
+    """Refuse, before anything is allocated, weights larger than the device's free memory (a rank holds about
+    1 / (tp x ep) of them)."""
+    needed, available = weight_nbytes(config, s.dtype, fp8) // (s.tp * s.ep), available_memory_bytes(s.device)
     if needed > available:
         dtype = str(s.dtype).removeprefix("torch.") + (" + fp8" if fp8 else "")
         raise ConfigError(
@@ -78,10 +87,19 @@ class ModelCache:
                 s.weights,
                 str(s.device),
                 repr(sorted(overrides.items())),
+                parallel.current(),
             )
         else:
             arch = OmegaConf.to_container(cfg.model.arch)
-            key = ("random", repr(sorted(arch.items())), int(cfg.model.seed), s.dtype, s.weights, str(s.device))
+            key = (
+                "random",
+                repr(sorted(arch.items())),
+                int(cfg.model.seed),
+                s.dtype,
+                s.weights,
+                str(s.device),
+                parallel.current(),
+            )
         if key != self._key:
             self.clear()  # free the old weights before the new ones are allocated
             self._loaded, self._key = self._load(cfg, s, overrides, progress), key
@@ -90,11 +108,13 @@ class ModelCache:
     @staticmethod
     def _load(cfg: DictConfig, s: Settings, overrides: dict, progress: bool) -> LoadedModel:
         name = str(cfg.model.get("name", "the model"))
+        layout = parallel.current()
         if s.checkpoint is not None:
             from qmoe.checkpoint import load_checkpoint, load_tokenizer
             from qmoe.checkpoint.loader import checkpoint_fp8_names, read_config
 
             config = read_config(s.checkpoint, overrides)
+            check_layout(config, layout)
             check_memory(config, s, s.checkpoint, checkpoint_fp8_names(s.checkpoint, config, s.weights, s.device))
             model, info = load_checkpoint(
                 s.checkpoint,
@@ -103,15 +123,19 @@ class ModelCache:
                 arch_overrides=overrides,
                 progress=progress,
                 weights=s.weights,
+                layout=layout,
             )
             return LoadedModel(model, {"kind": "checkpoint", **info.to_dict()}, load_tokenizer(s.checkpoint))
         try:
             model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model.arch))
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
+        check_layout(model_cfg, layout)
         fp8 = fp8_weight_names(model_cfg, s.weights)
         check_memory(model_cfg, s, name, fp8)
-        model = build_model(model_cfg, s.dtype, s.device, seed=int(cfg.model.seed), progress=progress, fp8=fp8)
+        model = build_model(
+            model_cfg, s.dtype, s.device, seed=int(cfg.model.seed), progress=progress, fp8=fp8, layout=layout
+        )
         identity = {"kind": "random", "seed": int(cfg.model.seed), "arch": model_cfg.to_dict(), "fp8": len(fp8) > 0}
         return LoadedModel(model, identity, None)
 
@@ -220,6 +244,7 @@ def run_experiment(
     Ctrl-C during decode ends the run early: the steps measured so far are written with `partial: true`;
     before any decode step it raises Interrupted (nothing written). `models`: default the process's cache."""
     s = validate(cfg)
+    layout = parallel.init(s.tp, s.ep, s.device.type) if s.tp * s.ep > 1 else parallel.current()
     run_dir = Path(run_dir or "outputs/latest")
     reset_peak_memory()
     t0 = time.perf_counter()
@@ -267,13 +292,17 @@ def run_experiment(
             "setup": {**runtime_setup(runner, s.batch_size), "kernels": s.kernels},
         },
         "bandwidth_floor": bandwidth_floor(
-            mcfg, model.dtype, model.device, latency["decode_ms"]["p50"], fp8_parameters(model)
+            mcfg, model.dtype, model.device, latency["decode_ms"]["p50"], fp8_parameters(model), layout.world
         ),
+        "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world},
         "memory": peak_memory(),
         "environment": environment(s.device),
     }
     if gen.interrupted:
         results["interrupted"] = f"Ctrl-C after {len(gen.decode_ms)} decode steps"
+    if layout.rank != 0:  # rank 0 alone writes results.json and logs (every rank generated the same tokens)
+        results["results_path"] = None
+        return results
     path = write_results(results, run_dir)
     results["results_path"] = str(path)
     log.info(f"results: {path}")
@@ -332,6 +361,10 @@ def summary_table(results: dict) -> str:
     ]
     if "per_decode_token" in tr:
         rows.append(("per decode token", _transfers(tr["per_decode_token"])))
+    inter = tr.get("inter_gpu", {}).get("per_decode_token")
+    if inter is not None:
+        p = results.get("parallel", {})
+        rows.append((f"  inter-GPU (tp {p.get('tp')} x ep {p.get('ep')})", _transfers(inter)))
     planned = setup.get("planned_per_decode_token")
     if planned is not None and not str(setup.get("delegate_device", "")).startswith("cuda"):
         rows.append(("  planned", f"{_transfers(planned)} (not moved without CUDA)"))

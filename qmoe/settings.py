@@ -78,6 +78,8 @@ class Settings:
     batch_size: int
     stop_on_eos: bool
     logger: str
+    tp: int = 1
+    ep: int = 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -161,6 +163,48 @@ def check_triton_runs(choice: dict, device: torch.device) -> None:
         )
 
 
+def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, int]:
+    """parallel.tp x parallel.ep must be the number of processes torchrun started, the random model's dimensions
+    must split that way, and the runtime and kernels must have a sharded path."""
+    from qmoe.parallel import env_world_size, layout_errors
+
+    tp, ep = _int(cfg, "parallel.tp", 1), _int(cfg, "parallel.ep", 1)
+    world = env_world_size()
+    require(
+        tp * ep == world,
+        "parallel",
+        f"tp x ep = {tp} x {ep} = {tp * ep} processes, but {world} run (torchrun --nproc-per-node {tp * ep}, "
+        "or set parallel.tp / parallel.ep to match)",
+    )
+    if world == 1:
+        return tp, ep
+    if OmegaConf.select(cfg, "model.checkpoint") is None:
+        errors = layout_errors(OmegaConf.to_container(cfg.model.arch), tp, ep)
+        if errors:
+            raise ConfigError(errors[0])
+    require(
+        runtime != "host",
+        "runtime",
+        "host samples full logits on the CPU; with tp x ep > 1 use reference or cuda_native (logits stay sharded)",
+    )
+    require(
+        choice["sampling"] == "torch",
+        "kernels.sampling",
+        "the Triton sampler has no vocab-parallel variant yet; with tp x ep > 1 use kernels.sampling=torch",
+    )
+    require(
+        ep == 1 or choice["moe"] == "torch",
+        "kernels.moe",
+        "the Triton MoE kernels hold every expert; with parallel.ep > 1 use kernels.moe=torch (or ep=1, tp=N)",
+    )
+    require(
+        OmegaConf.select(cfg, "model.weights") != "fp8",
+        "model.weights",
+        "fp8 weights are not sharded yet; with tp x ep > 1 use auto or dense (bf16)",
+    )
+    return tp, ep
+
+
 def validate(cfg: DictConfig) -> Settings:
     """Check every key a run reads; the model architecture is checked by ModelConfig when it is built."""
     check_known_keys(cfg)
@@ -205,6 +249,11 @@ def validate(cfg: DictConfig) -> Settings:
 
     logger = OmegaConf.select(cfg, "logger.name")
     require(logger in LOGGERS, "logger", f"must be one of {', '.join(LOGGERS)}", logger)
+    tp, ep = check_parallel(cfg, runtime, choice)
+    if tp * ep > 1 and device.type == "cuda":  # one GPU per rank
+        from qmoe.parallel import env_local_rank
+
+        device = torch.device("cuda", env_local_rank())
     return Settings(
         dtype=DTYPES[dtype],
         device=device,
@@ -218,6 +267,8 @@ def validate(cfg: DictConfig) -> Settings:
         batch_size=_int(cfg, "generation.batch_size", 1),
         stop_on_eos=_bool(cfg, "generation.stop_on_eos"),
         logger=logger,
+        tp=tp,
+        ep=ep,
     )
 
 

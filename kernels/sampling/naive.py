@@ -22,9 +22,10 @@ import torch
 INVALID_TOKEN = -1
 
 
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U in (0, 1) per (row, token), a stateless hash of (seed, step, token index) -> [B, V] fp64."""
-    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, start: int = 0) -> torch.Tensor:
+    """U in (0, 1) per (row, token), a stateless hash of (seed, step, token index) -> [B, vocab] fp64 for the
+    tokens start .. start + vocab - 1 (a vocab-parallel rank's slice draws what one process draws there)."""
+    idx = torch.arange(start, start + vocab, device=seed.device, dtype=torch.int64)[None, :]
     mask = 0xFFFFFFFF
     h = (seed[:, None] * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + idx * 0xC2B2AE3D) & mask
     for mult in (0x7FEB352D, 0x846CA68B):  # two rounds of a 32-bit integer mixer

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from kernels.fp8 import BLOCK_K, FP8, dequantize, quantize_into, rows_from_blocks, rows_from_channels
 from qmoe.model.config import ModelConfig
-from qmoe.model.qwen35_moe import Qwen35MoE, build_model, fp8_weight_names
+from qmoe.model.qwen35_moe import Qwen35MoE, build_model, fp8_weight_names, shard_blocks
+from qmoe.parallel.layout import SINGLE, Layout
 
 CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"
 INDEX, SINGLE_FILE, TOKENIZER = "model.safetensors.index.json", "model.safetensors", "tokenizer.json"
@@ -395,18 +396,64 @@ def _read_scales(path: Path, plan: _Plan, tensors: dict, device) -> dict:
     return rows
 
 
+def key_blocks(full_shape: tuple, dims: dict | None, expert: int | None, part: str | None, I: int):
+    """(index into the checkpoint tensor, index into the local parameter) of every piece of this rank's slice
+    that one checkpoint tensor holds: the tensor covers its whole parameter, or (per expert) one expert's gate,
+    up or down block of it (then dim 0, the expert, is absent from the tensor)."""
+    region = [(0, n) for n in full_shape]
+    if expert is not None:
+        region[0] = (expert, expert + 1)
+        if part in ("gate", "up"):
+            region[1] = (0, I) if part == "gate" else (I, 2 * I)
+    blocks = shard_blocks(dims) if dims else [((), ())]
+    for src, dst in blocks:
+        src = src + (slice(None),) * (len(full_shape) - len(src))
+        dst = dst + (slice(None),) * (len(full_shape) - len(dst))
+        read, write = [], []
+        for d, (s, t, (lo_r, hi_r)) in enumerate(zip(src, dst, region)):
+            lo, hi = (s.start, s.stop) if s.start is not None else (0, full_shape[d])
+            a, b = max(lo, lo_r), min(hi, hi_r)
+            if a >= b:
+                break  # this piece of the slice lies outside the tensor
+            at = (t.start or 0) + a - lo
+            if expert is not None and d == 0:
+                write.append(at)  # the expert's own index; the tensor has no expert dim
+            else:
+                read.append(slice(a - lo_r, b - lo_r))
+                write.append(slice(at, at + b - a))
+        else:
+            yield tuple(read), tuple(write)
+
+
+def read_slice(f, key: str, index: tuple) -> torch.Tensor:
+    """The part `index` of tensor `key` (only those bytes of the memory-mapped file are touched)."""
+    return f.get_slice(key)[index] if index else f.get_tensor(key)
+
+
 @torch.no_grad()
 def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bool) -> None:
     """Copy every planned tensor into its parameter (or one expert's rows of a fused one), shard by shard: fp8 into
-    fp8 (and its scale), fp8 into a dense parameter dequantized on the device, dense into fp8 quantized there."""
+    fp8 (and its scale), fp8 into a dense parameter dequantized on the device, dense into fp8 quantized there. A
+    sharded model (tensor / expert parallel) reads only its slices of dense tensors (load_checkpoint refuses FP8
+    tensors there)."""
     params = dict(model.named_parameters())
+    specs = model.shard_specs()
     I = model.config.moe_intermediate_size
     scales = _read_scales(path, plan, tensors, model.device)
+    full = _full_shapes(model)
     bar = tqdm(total=len(plan.reads), desc="load weights", unit="tensor", disable=not progress)
     for file, keys in _by_file(plan.reads, tensors).items():
         with safe_open(path / file, framework="pt") as f:  # memory-mapped: pages are read as each tensor is copied
             for key in keys:
                 name, expert, part = plan.reads[key]
+                if specs:
+                    for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
+                        try:  # moved in its stored dtype, cast on the device
+                            params[name][dst].copy_(read_slice(f, key, index).to(params[name].device))
+                        except Exception as e:
+                            raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
+                    bar.update()
+                    continue
                 rows = slice(None, I) if part == "gate" else slice(I, None) if part == "up" else slice(None)
                 dest = (params[name] if expert is None else params[name][expert])[rows]
                 dest_scale = params.get(f"{name}_scale")  # [..., N, Kb] like the weight's rows
@@ -428,6 +475,15 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
                 del stored
                 bar.update()
     bar.close()
+
+
+def _full_shapes(model: Qwen35MoE) -> dict[str, tuple]:
+    """The unsharded shape of every parameter (its own shape when the model is not sharded)."""
+    from qmoe.model.qwen35_moe import full_shapes
+
+    if not model.layout.sharded:
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(shape) for name, shape in full_shapes(model.config).items()}
 
 
 def _status_bytes(field_name: str) -> int:
@@ -517,8 +573,10 @@ def load_checkpoint(
     progress: bool = False,
     shard_identity: str = "size+mtime",
     weights: str = "auto",
+    layout: Layout = SINGLE,
 ) -> tuple[Qwen35MoE, CheckpointInfo]:
-    """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors.
+    """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors (this
+    rank's slices of them under `layout`: each read touches only its slice of the memory-mapped file).
     weights (model.weights): auto -> FP8 where the checkpoint stores it, dense -> every tensor in `dtype` (FP8
     dequantized on load), fp8 -> the projections and experts in FP8 (dense ones quantized on load).
 
@@ -536,9 +594,14 @@ def load_checkpoint(
     hashes = file_hashes(path, files, shard_identity)
 
     fp8 = held_fp8(cfg, plan, weights, device)
+    if layout.sharded and (plan.stored_fp8 or fp8):
+        raise CheckpointError(
+            f"{path}: FP8 weights are not sharded yet (parallel.tp x parallel.ep = {layout.world}); "
+            "load it on one GPU, or a bf16 checkpoint with model.weights=dense"
+        )
     if plan.stored_fp8 and lacks_fp8(device):
         log.warning(f"{torch.cuda.get_device_name(device)} has no FP8 support: FP8 weights dequantized on load")
-    model = build_model(cfg, dtype, device, seed=None, fp8=fp8)
+    model = build_model(cfg, dtype, device, seed=None, fp8=fp8, layout=layout)
     _fill(model, path, plan, tensors, progress)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

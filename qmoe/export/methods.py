@@ -74,7 +74,7 @@ class ForwardSample(nn.Module):
 
 def example_inputs(method: str, model, batch_size: int, max_seq_len: int) -> tuple[dict, dict]:
     """({name: example tensor}, {name: dynamic shape}) for `method`, on the model's device."""
-    B, V, device = batch_size, model.config.vocab_size, model.device
+    B, V, device = batch_size, model.lm_head.weight.shape[0], model.device  # V: this rank's vocabulary slice
     T = min(8, max_seq_len) if method in ("forward", "prefill") else 1
     dyn_T = {1: Dim("T", min=1, max=max_seq_len)} if method in ("forward", "prefill") and max_seq_len > 1 else {}
     sampling = {name: torch.zeros(B, dtype=dtype, device=device) for name, dtype in SAMPLING}

@@ -72,11 +72,17 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 256 * 2**20, reps: in
 
 
 def bandwidth_floor(
-    config, dtype: torch.dtype, device: torch.device, decode_p50_ms: float | None, fp8=frozenset()
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    decode_p50_ms: float | None,
+    fp8=frozenset(),
+    shards: int = 1,
 ) -> dict:
     """floor = active weight bytes per decode step (batch 1) / device copy bandwidth; the copy ceiling only on a
-    GPU (on the CPU there is no floor to report). fp8: the parameters held in float8."""
-    active = active_weight_bytes(config, dtype, fp8)
+    GPU (on the CPU there is no floor to report). fp8: the parameters held in float8. With the model sharded over
+    `shards` GPUs each reads about 1 / shards of them."""
+    active = active_weight_bytes(config, dtype, fp8) // shards
     out = {"active_weight_bytes": active, "copy_gbs": None, "floor_ms": None, "fraction_of_decode_p50": None}
     if device.type == "cuda":
         gbs = copy_bandwidth_gbs(device)

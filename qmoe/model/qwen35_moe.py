@@ -15,6 +15,8 @@ from torch import nn
 import kernels
 from kernels.fp8 import FP8, quantize_into, scale_shape
 from qmoe.model.config import ModelConfig
+from qmoe.parallel import collectives
+from qmoe.parallel.layout import SINGLE, Layout
 
 KERNEL_GROUPS = kernels.OPS
 # What model.weights=fp8 keeps in the model's dtype: the lm_head (as FP8 releases do) and the router and the
@@ -76,11 +78,22 @@ class GatedAttention(nn.Module):
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
     IN_PROJ = "qkv_proj"  # the in-projection the layer runs (fused with its input norm) before forward
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: Layout):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.eps = cfg.rms_norm_eps
+        (q0, self.num_heads), (kv0, self.num_kv_heads) = (
+            layout.heads(cfg.num_attention_heads),
+            layout.heads(cfg.num_key_value_heads),
+        )
+        self.head_dim, self.eps = D, cfg.rms_norm_eps
+        self.group = "tp" if layout.tp > 1 else None  # the partial sums of o_proj's row-parallel slices
+        # {parameter: {dim: [(first, count), ...]}}: this rank's rows / columns of the full tensor
+        self.shards = {
+            "q_proj.weight": {0: [(q0 * 2 * D, self.num_heads * 2 * D)]},
+            "k_proj.weight": {0: [(kv0 * D, self.num_kv_heads * D)]},
+            "v_proj.weight": {0: [(kv0 * D, self.num_kv_heads * D)]},
+            "o_proj.weight": {1: [(q0 * D, self.num_heads * D)]},
+        }
         self.q_proj = linear(H, self.num_heads * D * 2)  # query and output gate interleaved per head
         self.k_proj = linear(H, self.num_kv_heads * D)
         self.v_proj = linear(H, self.num_kv_heads * D)
@@ -102,19 +115,36 @@ class GatedAttention(nn.Module):
         norms, caches = (self.q_norm.weight, self.k_norm.weight), (self.k_cache, self.v_cache)
         scale = self.head_dim**-0.5
         out = ops["attention"].gated_attention(q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale)
-        return ops["linear"].linear(out, self.o_proj.weight, scale_of(self.o_proj))  # out [B, T, Hq * D]
+        out = ops["linear"].linear(out, self.o_proj.weight, scale_of(self.o_proj))  # out [B, T, Hq * D]
+        return collectives.reduced(out, self.group)
 
 
 class GatedDeltaNet(nn.Module):
     FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
     IN_PROJ = "in_proj"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: Layout):
         super().__init__()
         H = cfg.hidden_size
-        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        (k0, self.nk), (v0, self.nv) = layout.heads(cfg.linear_num_key_heads), layout.heads(cfg.linear_num_value_heads)
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.conv_dim, self.kernel_size, self.eps = cfg.conv_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        self.kernel_size, self.eps = cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        self.group = "tp" if layout.tp > 1 else None  # the partial sums of out_proj's row-parallel slices
+        qk = cfg.linear_num_key_heads * self.dk  # the full [q | k | v] channels: this rank's heads of each part
+        channels = [(k0 * self.dk, self.nk * self.dk), (qk + k0 * self.dk, self.nk * self.dk)]
+        channels.append((2 * qk + v0 * self.dv, self.nv * self.dv))
+        values, heads = [(v0 * self.dv, self.nv * self.dv)], [(v0, self.nv)]
+        self.shards = {
+            "in_proj_qkv.weight": {0: channels},
+            "conv1d.weight": {0: channels},
+            "in_proj_z.weight": {0: values},
+            "in_proj_b.weight": {0: heads},
+            "in_proj_a.weight": {0: heads},
+            "A_log": {0: heads},
+            "dt_bias": {0: heads},
+            "out_proj.weight": {1: values},
+        }
         self.in_proj_qkv = linear(H, self.conv_dim)  # [q | k | v]
         self.in_proj_z = linear(H, self.nv * self.dv)
         self.in_proj_b = linear(H, self.nv)
@@ -148,54 +178,72 @@ class GatedDeltaNet(nn.Module):
             self.nk,
             self.eps,
         )
-        return ops["linear"].linear(core, self.out_proj.weight, scale_of(self.out_proj))
+        return collectives.reduced(
+            ops["linear"].linear(core, self.out_proj.weight, scale_of(self.out_proj)), self.group
+        )
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: Layout):
         super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)  # gate rows first
-        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        (self.first, E), (i0, Il) = layout.experts(cfg.num_experts), layout.tp_part(I)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Il, H), requires_grad=False)  # gate rows first
+        self.down_proj = nn.Parameter(torch.empty(E, H, Il), requires_grad=False)
+        self.shards = {
+            "gate_up_proj": {0: [(self.first, E)], 1: [(i0, Il), (I + i0, Il)]},
+            "down_proj": {0: [(self.first, E)], 2: [(i0, Il)]},
+        }
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, layout: Layout):
         super().__init__()
-        self.gate_proj, self.up_proj = linear(hidden, intermediate), linear(hidden, intermediate)
-        self.down_proj = linear(intermediate, hidden)
+        first, count = layout.world_part(intermediate)
+        self.gate_proj, self.up_proj = linear(hidden, count), linear(hidden, count)
+        self.down_proj = linear(count, hidden)
+        rows = {0: [(first, count)]}
+        self.shards = {"gate_proj.weight": rows, "up_proj.weight": rows, "down_proj.weight": {1: [(first, count)]}}
 
 
 class SparseMoE(nn.Module):
     FUSED = {"in_proj": ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: Layout):
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.gate = Weight(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(cfg)
-        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.num_experts
+        self.gate = Weight(cfg.num_experts, cfg.hidden_size)  # the router: replicated, every rank routes
+        self.experts = Experts(cfg, layout)
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, layout)
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
+        self.group = "world" if layout.sharded else None  # every rank's experts and slices: partial sums
 
     def forward(self, x, proj, ops):  # x [B, T, H], proj = in_proj(x) [B, T, E + 2 Is + 1]
         rows = x.flatten(0, 1)  # [M, H]
         e, shared_down = self.experts, self.shared_expert.down_proj
-        scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
-        args = (rows, proj.flatten(0, 1), e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)
-        if any(s is not None for s in scales):  # the dense call stays as it was (exported graphs)
-            args += scales
-        return ops["moe"].moe_block(*args).view_as(x)
+        proj = proj.flatten(0, 1)
+        if e.gate_up_proj.shape[0] < self.num_experts:  # expert parallel: this rank's experts' share
+            from qmoe.parallel.moe import moe_block_ep
+
+            out = moe_block_ep(rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k, e.first)
+        else:
+            scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
+            args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)
+            if any(s is not None for s in scales):  # the dense call stays as it was (exported graphs)
+                args += scales
+            out = ops["moe"].moe_block(*args)
+        return collectives.reduced(out, self.group).view_as(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelConfig, layer_type: str, layout: Layout):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, layout)
         else:
-            self.self_attn = GatedAttention(cfg)
-        self.mlp = SparseMoE(cfg)
+            self.self_attn = GatedAttention(cfg, layout)
+        self.mlp = SparseMoE(cfg, layout)
         self.input_layernorm = Weight(cfg.hidden_size)
         self.post_attention_layernorm = Weight(cfg.hidden_size)
 
@@ -227,14 +275,16 @@ def greedy_sampler(module) -> SimpleNamespace:
 
 
 class Qwen35MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: Layout = SINGLE):
         super().__init__()
-        self.config = cfg
+        self.config, self.layout = cfg, layout
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, layout) for t in cfg.layer_types)
         self.norm = Weight(cfg.hidden_size)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.vocab_start, vocab = layout.world_part(cfg.vocab_size)  # lm_head is vocab-parallel
+        self.lm_head = linear(cfg.hidden_size, vocab)
+        self.shards = {"lm_head.weight": {0: [(self.vocab_start, vocab)]}}
         self.ops = {group: kernels.resolve(group, "torch") for group in KERNEL_GROUPS}
         self.batch_size = self.max_seq_len = 0
 
@@ -264,6 +314,17 @@ class Qwen35MoE(nn.Module):
             setattr(module, leaf, nn.Parameter(torch.empty(p.shape, dtype=FP8, device=p.device), requires_grad=False))
             scale = torch.empty(scale_shape(p.shape), dtype=torch.float32, device=p.device)
             module.register_parameter(f"{leaf}_scale", nn.Parameter(scale, requires_grad=False))
+
+    def shard_specs(self) -> dict[str, dict[int, list[tuple[int, int]]]]:
+        """{parameter name: {dim: [(first, count), ...]}} of every parameter this rank holds a slice of: its local
+        tensor is, along each named dim, the concatenation of those ranges of the full tensor. Empty unsharded."""
+        if not self.layout.sharded:
+            return {}
+        specs = {}
+        for prefix, module in self.named_modules():
+            for name, dims in getattr(module, "shards", {}).items():
+                specs[f"{prefix}.{name}" if prefix else name] = dims
+        return specs
 
     def fuse_projections_(self) -> None:
         """Concatenate the weights of the projections that read the same input (each block's FUSED groups) into
@@ -321,10 +382,22 @@ class Qwen35MoE(nn.Module):
         x, _ = self.ops["norm"].add_rms_norm(h, residual, self.norm.weight, eps)
         if not all_logits:
             x = x[:, -1]
+        # sharded: this rank's vocabulary slice
         return self.ops["linear"].linear(x, self.lm_head.weight, scale_of(self.lm_head)).float()
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
-        """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation."""
+        """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation; vocab-parallel
+        logits [B, V / world] are sampled without gathering them (qmoe.parallel.sampling)."""
+        if self.layout.sharded:
+            from qmoe.parallel import sampling
+
+            greedy = getattr(self.ops["sampling"], "general", None) is not None
+            params = (temperature, top_k, top_p, min_p, seed, step)
+            return (
+                sampling.greedy(logits, self.vocab_start)
+                if greedy
+                else sampling.sample(logits, self.vocab_start, *params)
+            )
         return self.ops["sampling"].sample(logits, temperature, top_k, top_p, min_p, seed, step)
 
 
@@ -339,27 +412,63 @@ def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
 
     gen = torch.Generator(device=model.device).manual_seed(seed)
     params = sorted((kv for kv in model.named_parameters() if not kv[0].endswith("_scale")), key=lambda kv: kv[0])
+    specs = model.shard_specs()
+    shapes = full_shapes(model.config) if specs else {}
     for name, p in tqdm(params, desc="init weights", disable=not progress, unit="tensor"):
-        if p.dtype == FP8:  # matrices and experts only (fp8_capable)
+        if p.dtype == FP8:  # matrices and experts only (fp8_capable); never sharded (the settings refuse it)
             dense = torch.empty(p.shape, dtype=model.dtype, device=p.device).normal_(
                 0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen
             )
             quantize_into(p, model.get_parameter(f"{name}_scale"), dense)
             del dense
+        elif name in specs:  # the full tensor from the same generator stream, then this rank's slice of it
+            full = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+            fill_random_(name, full, gen)
+            for src, dst in shard_blocks(specs[name]):
+                p[dst].copy_(full[src])
+            del full
+        else:
+            fill_random_(name, p, gen)
+
+
+def fill_random_(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    """Parameter `name`'s random init, drawn from `gen` (see init_random_)."""
+    leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+    if name == "embed_tokens.weight":
+        p.normal_(0.0, 1.0, generator=gen)
+    elif leaf == "A_log":
+        p.uniform_(0.01, 16.0, generator=gen).log_()
+    elif leaf == "dt_bias":
+        p.uniform_(0.5, 1.5, generator=gen)
+    elif leaf == "norm" and "linear_attn" in name:  # plain-weight gated norm, identity at 1
+        p.normal_(1.0, 0.1, generator=gen)
+    elif p.dim() == 1:  # zero-centred norms: scale is (1 + w)
+        p.normal_(0.0, 0.1, generator=gen)
+    else:  # matrices, experts, conv taps
+        p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Every parameter's unsharded shape (a meta model: nothing is allocated)."""
+    with torch.device("meta"):
+        return {name: p.shape for name, p in Qwen35MoE(cfg).named_parameters()}
+
+
+def shard_blocks(dims: dict) -> list[tuple[tuple, tuple]]:
+    """(full-tensor index, local index) pairs that together copy this rank's slice: one per combination of the
+    ranges along each sharded dim."""
+    blocks = [((), ())]
+    for dim in range(max(dims) + 1):
+        ranges = dims.get(dim)
+        if ranges is None:
+            blocks = [(src + (slice(None),), dst + (slice(None),)) for src, dst in blocks]
             continue
-        leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
-        if name == "embed_tokens.weight":
-            p.normal_(0.0, 1.0, generator=gen)
-        elif leaf == "A_log":
-            p.uniform_(0.01, 16.0, generator=gen).log_()
-        elif leaf == "dt_bias":
-            p.uniform_(0.5, 1.5, generator=gen)
-        elif leaf == "norm" and "linear_attn" in name:  # plain-weight gated norm, identity at 1
-            p.normal_(1.0, 0.1, generator=gen)
-        elif p.dim() == 1:  # zero-centred norms: scale is (1 + w)
-            p.normal_(0.0, 0.1, generator=gen)
-        else:  # matrices, experts, conv taps
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+        out, at = [], 0
+        for first, count in ranges:
+            out += [(src + (slice(first, first + count),), dst + (slice(at, at + count),)) for src, dst in blocks]
+            at += count
+        blocks = out
+    return blocks
 
 
 def fp8_weight_names(cfg: ModelConfig, weights: str, stored_fp8=frozenset()) -> frozenset:
@@ -406,13 +515,20 @@ def active_weight_nbytes(cfg: ModelConfig, dtype: torch.dtype, fp8=frozenset()) 
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device, seed: int | None = 0, progress=False, fp8=frozenset()
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device,
+    seed: int | None = 0,
+    progress=False,
+    fp8=frozenset(),
+    layout: Layout = SINGLE,
 ) -> Qwen35MoE:
-    """The model's parameters allocated directly on `device` in `dtype` (no host copy); random when seed is set,
-    left uninitialised (for a checkpoint loader to fill) when seed is None. The parameters named in `fp8` (see
-    Qwen35MoE.fp8_names) are float8_e4m3fn with their scales instead."""
+    """The model's parameters (this rank's shards under `layout`) allocated directly on `device` in `dtype` (no
+    host copy); random when seed is set (a shard equals the slice of the unsharded model with that seed), left
+    uninitialised (for a checkpoint loader to fill) when seed is None. The parameters named in `fp8` (see
+    Qwen35MoE.fp8_names) are float8_e4m3fn with their scales instead (FP8 and sharding are not combined)."""
     with torch.device("meta"):
-        model = Qwen35MoE(cfg)
+        model = Qwen35MoE(cfg, layout)
     model = model.to(dtype=dtype)
     model.use_fp8_(model.fp8_names(fp8))
     model = model.to_empty(device=device)

@@ -15,6 +15,7 @@ which is how the CPU tests check its tokens, and on the staged CPU delegate (cpu
 import torch
 
 from qmoe.export import SAMPLING_NAMES
+from qmoe.parallel.collectives import recording
 from qmoe.runtime.combos import split_error
 from qmoe.runtime.executor import ProgramRunner
 from qmoe.settings import ConfigError, SamplingSettings
@@ -52,12 +53,15 @@ class CudaNativeRunner(ProgramRunner):
         if self.split == "fused":
             m = self.methods[method]
             params = [m.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
-            (token,) = m(tokens, input_pos, *params, step, ledger=self.ledger)
+            with recording(self.ledger, method):  # collectives of a sharded model
+                (token,) = m(tokens, input_pos, *params, step, ledger=self.ledger)
             return token
-        (logits,) = self.methods["forward"](tokens, input_pos, ledger=self.ledger)
+        with recording(self.ledger, "forward"):
+            (logits,) = self.methods["forward"](tokens, input_pos, ledger=self.ledger)
         sample = self.methods["sample"]  # logits are planned in its input buffer: handed over as they are
         params = [sample.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
-        (token,) = sample(logits, *params, step, ledger=self.ledger)
+        with recording(self.ledger, "sample"):
+            (token,) = sample(logits, *params, step, ledger=self.ledger)
         return token
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ import torch
 
 from kernels.sampling.naive import INVALID_TOKEN
 from qmoe.export.settings import device_name
+from qmoe.parallel.collectives import recording
 from qmoe.runtime.ledger import TransferLedger, transfer
 from qmoe.settings import SamplingSettings
 
@@ -95,9 +96,10 @@ class ReferenceRunner(Runner):
         self.begin_prefill()
         B, L = prompt.shape
         input_pos = torch.zeros(B, dtype=torch.int64, device=self.device)
-        logits = self.model(self._to_device(prompt), input_pos)
-        self.pos = L
-        return self._sample(logits)
+        with recording(self.ledger, "forward"):  # collectives of a sharded model
+            logits = self.model(self._to_device(prompt), input_pos)
+            self.pos = L
+            return self._sample(logits)
 
     @torch.no_grad()
     def step(self, forced: torch.Tensor | None) -> torch.Tensor:
@@ -107,9 +109,10 @@ class ReferenceRunner(Runner):
             forced = self._to_device(forced)
             token = torch.where(forced >= 0, forced, token)
         input_pos = torch.full_like(token, self.pos)
-        logits = self.model(token[:, None], input_pos)
-        self.pos += 1
-        return self._sample(logits)
+        with recording(self.ledger, "forward"):
+            logits = self.model(token[:, None], input_pos)
+            self.pos += 1
+            return self._sample(logits)
 
 
 @dataclass

@@ -9,6 +9,8 @@ memory spaces is still made, and recorded, by the executor.
 
 import torch
 
+from qmoe.parallel import collectives
+
 
 class GraphedDelegate:
     """Wraps `method.delegate`. While `enabled`, a call with inputs seen before (same storage and shapes) is
@@ -19,24 +21,26 @@ class GraphedDelegate:
         self.delegate, self.pool, self.warmup = delegate, pool, warmup
         self.enabled = False
         self.calls: dict[tuple, int] = {}
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, list]] = {}
 
     def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         if not self.enabled:
             return self.delegate(*inputs, out=out)
         key = tuple((x.data_ptr(), tuple(x.shape)) for x in (*inputs, *(o for o in out if o is not None)))
         if key in self.graphs:
-            graph, outputs = self.graphs[key]
+            graph, outputs, captured = self.graphs[key]
             graph.replay()
+            collectives.replayed(captured)  # its NCCL kernels ran without Python: recorded as at capture
             return outputs
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] <= self.warmup:  # first launches compile / autotune: never inside a capture
             return self.delegate(*inputs, out=out)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), collectives.capturing() as captured:
             outputs = self.delegate(*inputs, out=out)  # writing the planned outputs is captured too
-        self.graphs[key] = (graph, outputs)
+        self.graphs[key] = (graph, outputs, captured)
         graph.replay()  # capturing records the work without doing it
+        collectives.replayed(captured)
         return outputs
 
 

@@ -1,5 +1,6 @@
 """TransferLedger: every copy the runtime makes between memory spaces (host<->device) or between two buffers of
-one device, with direction, bytes, method and step."""
+one device, with direction, bytes, method and step; and, across GPUs, every collective this rank runs (kind,
+bytes, method, group), recorded by qmoe.parallel.collectives.record."""
 
 from collections import defaultdict
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ DIRECTIONS = ("h2d", "d2h", "d2d")
 # inputs/outputs when device memory planning is off; runner: the runner's copies (token reads and writes, and an
 # input a caller passes that is not its planned buffer).
 SOURCES = ("copy_node", "delegate", "runner")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all")
 
 
 def direction(src_space: str, dst_space: str) -> str | None:
@@ -38,15 +40,31 @@ class Transfer:
     source: str
 
 
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce | all_gather | all_to_all
+    nbytes: int  # all_reduce: the reduced tensor; all_gather: the gathered output
+    method: str
+    phase: str
+    step: int
+    group: str  # "tp" | "world"
+
+
 class TransferLedger:
     def __init__(self):
         self.transfers: list[Transfer] = []
+        self.collectives: list[Collective] = []
         self.phase, self.step = "prefill", 0
 
     def record(self, direction: str, nbytes: int, method: str, source: str) -> None:
         if direction not in DIRECTIONS or source not in SOURCES:
             raise ValueError(f"bad transfer {direction!r} from {source!r}")
         self.transfers.append(Transfer(direction, int(nbytes), method, self.phase, self.step, source))
+
+    def record_collective(self, kind: str, nbytes: int, method: str, group: str) -> None:
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"bad collective {kind!r}")
+        self.collectives.append(Collective(kind, int(nbytes), method, self.phase, self.step, group))
 
     def at(self, phase: str, step: int) -> "TransferLedger":
         """Tag the transfers recorded from now on with this phase and step; returns self."""
@@ -55,6 +73,31 @@ class TransferLedger:
 
     def clear(self) -> None:
         self.transfers.clear()
+        self.collectives.clear()
+
+    def inter_gpu(self, decode_tokens: int) -> dict:
+        """Collectives of this rank: prefill totals per kind; per generated token of decode, per kind and per
+        method x kind (count and bytes)."""
+        per = defaultdict(lambda: {"count": 0, "bytes": 0})
+        for c in self.collectives:
+            for key in (f"{c.phase}/{c.method}/{c.kind}", f"{c.phase}/all/{c.kind}"):
+                per[key]["count"] += 1
+                per[key]["bytes"] += c.nbytes
+        zero = {"count": 0, "bytes": 0}
+        out = {"prefill": {k: per.get(f"prefill/all/{k}", zero) for k in COLLECTIVE_KINDS}}
+        if decode_tokens > 0:
+            methods = sorted({c.method for c in self.collectives if c.phase == "decode"})
+            out["per_decode_token"] = {
+                k: {f: v / decode_tokens for f, v in per.get(f"decode/all/{k}", zero).items()} for k in COLLECTIVE_KINDS
+            }
+            out["per_decode_token_by_method"] = {
+                m: {
+                    k: {f: v / decode_tokens for f, v in per.get(f"decode/{m}/{k}", zero).items()}
+                    for k in COLLECTIVE_KINDS
+                }
+                for m in methods
+            }
+        return out
 
     def summary(self, decode_tokens: int) -> dict:
         """Counts and bytes per phase x method x direction; prefill totals; decode per generated token, in all and
@@ -79,4 +122,6 @@ class TransferLedger:
                 m: {d: {k: v / decode_tokens for k, v in per.get(f"decode/{m}/{d}", zero).items()} for d in DIRECTIONS}
                 for m in methods
             }
+        if self.collectives:
+            out["inter_gpu"] = self.inter_gpu(decode_tokens)
         return out

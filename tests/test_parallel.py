@@ -1,0 +1,384 @@
+"""Tensor and expert parallel on the CPU (gloo): 2 and 4 processes on the tiny model in fp32 give one process's
+tokens (greedy and sampled) and logits; every shard is the slice of the unsharded weights (random init and the
+sharded checkpoint loader, which reads each slice once); the vocab-parallel sampler equals the reference on
+ties, cuts and special rows; the ledger counts every collective; torchrun errors are one line."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import rel_err, tiny_config
+
+from kernels.sampling import naive as naive_sampling
+from qmoe.model import build_model
+from qmoe.model.qwen35_moe import shard_blocks
+from qmoe.parallel import layout_errors
+from qmoe.parallel.layout import Layout
+from qmoe.runtime.generate import ReferenceRunner, generate
+from qmoe.runtime.ledger import TransferLedger
+from qmoe.settings import SamplingSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingSettings(0.0, 0, 1.0, 0.0, 0)
+SAMPLED = SamplingSettings(0.8, 20, 0.9, 0.02, 3)  # every filter on, so every global cut is exercised
+PROMPTS = [[5, 17, 300, 2, 9], [44, 1, 8, 250, 13, 77, 6, 31]]  # ragged: row 1 reads its prompt while row 0 decodes
+NEW = 5
+LAYOUTS = {  # (tp, ep, also run the exported cuda_native loop, the checkpoint's expert layout)
+    "tp2": (2, 1, True, "fused"),
+    "tp4": (4, 1, False, "per_expert"),  # more ranks than kv heads (2) and DeltaNet key heads (2): replicated
+    "ep2": (1, 2, False, "fused"),
+    "tp2xep2": (2, 2, False, "per_expert"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sampler_cases(V: int) -> tuple[torch.Tensor, dict]:
+    """Logits [B, V] whose rows put the reference's edge cases across rank boundaries: ties of the maximum on
+    two ranks, a top-k cut inside a run of ties, +inf on a later rank, NaN on one rank, a row of -inf, k >= V,
+    and per-row parameters (greedy, sampled)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, V, generator=gen, dtype=torch.float64) * 3
+    logits[1, [3, V - 2]] = 50.0  # the max tied on the first and the last rank: the lowest index wins
+    logits[2, : V // 2] = 1.0  # ties at every cut
+    logits[3, [V - 1, V // 2 + 1]] = float("inf")
+    logits[4, V - 5] = float("nan")
+    logits[5] = float("-inf")
+    params = {
+        "temperature": torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.7, 1.3]),
+        "top_k": torch.tensor([0, 0, V // 4 + 1, 5, 0, 0, 10**6, 7]),
+        "top_p": torch.tensor([1.0, 1.0, 0.5, 1.0, 0.9, 1.0, 0.8, 0.95]),
+        "min_p": torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.3]),
+        "seed": torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]),
+        "step": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
+    }
+    return logits, params
+
+
+class CollectiveCounter:
+    """An independent count of the collectives a rank runs: torch.distributed's all_reduce / all_gather calls
+    (the real ones still run), with the bytes each moves, by the ledger's phase."""
+
+    def __init__(self, ledger: TransferLedger):
+        import torch.distributed as dist
+
+        self.seen = []
+        for name, kind in (("all_reduce", "all_reduce"), ("all_gather", "all_gather")):
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, _kind=kind, **kwargs):
+                tensors = args[0] if isinstance(args[0], list) else [args[0]]
+                self.seen.append((ledger.phase, _kind, sum(t.nbytes for t in tensors)))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+
+def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, exported: bool, queue) -> None:
+    """Everything one rank checks; the test process compares what rank 0 reports with one process."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * ep), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    from qmoe import parallel
+    from qmoe.checkpoint import loader
+    from qmoe.parallel import collectives, sampling
+
+    layout = parallel.init(tp, ep, "cpu")
+    out = {}
+    full = build_model(tiny_config(), torch.float32, "cpu", seed=0)
+    model = build_model(tiny_config(), torch.float32, "cpu", seed=0, layout=layout)
+    specs = model.shard_specs()
+    fulls = dict(full.named_parameters())
+    out["init_mismatch"] = [
+        name
+        for name, p in model.named_parameters()
+        if not all(torch.equal(p[dst], fulls[name][src]) for src, dst in shard_blocks(specs.get(name, {0: None})))
+    ]
+
+    model.setup_caches(2, 32)
+    model.reset_caches()
+    logits = [model(torch.tensor(PROMPTS[0][:4])[None].expand(2, -1), torch.zeros(2, dtype=torch.int64))]
+    for pos in range(4, 8):
+        token = sampling.greedy(logits[-1], model.vocab_start)
+        logits.append(model(token[:, None], torch.full((2,), pos)))
+    out["logits"] = [collectives.all_gather(x, "world").permute(1, 0, 2).flatten(1).tolist() for x in logits]
+
+    ledger = TransferLedger()
+    counter = CollectiveCounter(ledger)
+    for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        model.set_kernels({}, greedy=s.greedy)
+        ledger.clear()
+        counter.seen.clear()
+        gen = generate(ReferenceRunner(model, s, 2, ledger), PROMPTS, NEW)
+        out[name] = gen.tokens
+        out[f"{name}_ledger"] = sorted((c.phase, c.kind, c.nbytes) for c in ledger.collectives)
+        out[f"{name}_counted"] = sorted(counter.seen)
+        out[f"{name}_per_token"] = ledger.summary(gen.decode_tokens)["inter_gpu"]["per_decode_token"]
+
+    V = 64 * tp * ep
+    cases, params = sampler_cases(V)
+    Vl = V // layout.world
+    mine = cases[:, layout.rank * Vl : (layout.rank + 1) * Vl]
+    out["sampler"] = sampling.sample(mine, layout.rank * Vl, *params.values()).tolist()
+    out["sampler_greedy"] = sampling.greedy(mine[:2], layout.rank * Vl).tolist()
+
+    if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
+        from qmoe.export import ExportSettings
+        from qmoe.runtime.cuda_native import CudaNativeRunner
+        from qmoe.runtime.executor import build_program
+
+        for name, s, split in (("greedy", GREEDY, "split"), ("sampled", SAMPLED, "fused")):
+            model.set_kernels({}, greedy=s.greedy)
+            flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
+            settings = ExportSettings(preset="copy_elided", method_split=split, device_memory_planning=True, **flags)
+            runner = CudaNativeRunner(build_program(model, settings, 2, 32), model, s, 2, TransferLedger(), False)
+            out[f"exported_{name}"] = generate(runner, PROMPTS, NEW).tokens
+
+    if checkpoint is not None:
+        reads, read = [], loader.read_slice
+
+        def counted_read(f, key, index):
+            t = read(f, key, index)
+            reads.append((key, repr(index), t.nbytes))
+            return t
+
+        loader.read_slice = counted_read
+        loaded, _ = loader.load_checkpoint(checkpoint, dtype=torch.float32, device="cpu", layout=layout)
+        source = build_model(tiny_config(), torch.float32, "cpu", seed=3)
+        sources = dict(source.named_parameters())
+        out["load_mismatch"] = [
+            name
+            for name, p in loaded.named_parameters()
+            if not all(torch.equal(p[dst], sources[name][src]) for src, dst in shard_blocks(specs.get(name, {0: None})))
+        ]
+        out["reads_repeated"] = len(reads) - len({(k, i) for k, i, _ in reads})
+        out["bytes_read"] = sum(n for *_, n in reads)
+        out["bytes_held"] = sum(p.nbytes for p in loaded.parameters())
+    queue.put(out if rank == 0 else None)
+    parallel.shutdown()
+
+
+def run_ranks(tp: int, ep: int, checkpoint: str | None = None, exported: bool = False) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    args = (tp, ep, port, checkpoint, exported, queue)
+    procs = [ctx.Process(target=rank_checks, args=(r, *args)) for r in range(tp * ep)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return next(r for r in results if r is not None)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """What one process computes: logits of the same steps, tokens, the sampler on the edge cases."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = build_model(tiny_config(), torch.float32, "cpu", seed=0)
+    model.setup_caches(2, 32)
+    with torch.no_grad():
+        logits = [model(torch.tensor(PROMPTS[0][:4])[None].expand(2, -1), torch.zeros(2, dtype=torch.int64))]
+        for pos in range(4, 8):
+            token = naive_sampling.greedy(logits[-1])
+            logits.append(model(token[:, None], torch.full((2,), pos)))
+        out = {"logits": logits}
+        for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
+            model.set_kernels({}, greedy=s.greedy)
+            out[name] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
+    torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny model (seed 3) as a checkpoint per expert layout (fused experts, or one tensor per expert and
+    part), in several shards."""
+    from qmoe.checkpoint.synth import write_checkpoint
+
+    return {
+        layout: str(
+            write_checkpoint(
+                tiny_config(),
+                tmp_path_factory.mktemp(layout),
+                seed=3,
+                dtype=torch.float32,
+                expert_layout=layout,
+                shard_bytes=200_000,
+            )
+        )
+        for layout in ("fused", "per_expert")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
+    tp, ep, exported, expert_layout = LAYOUTS[layout]
+    got = run_ranks(tp, ep, checkpoints[expert_layout], exported)
+    assert got["init_mismatch"] == []  # each shard is the slice of the unsharded model with the same seed
+    for step, (mine, ref) in enumerate(zip(got["logits"], one_process["logits"])):
+        assert rel_err(torch.tensor(mine), ref) < 1e-5, f"logits at step {step}"  # fp32, sums in another order
+    assert got["greedy"] == one_process["greedy"]
+    assert got["sampled"] == one_process["sampled"]  # Philox-style race keyed by the global token index
+    if exported:
+        assert got["exported_greedy"] == one_process["greedy"]
+        assert got["exported_sampled"] == one_process["sampled"]
+
+    V = 64 * tp * ep
+    cases, params = sampler_cases(V)
+    assert got["sampler"] == naive_sampling.sample(cases, *params.values()).tolist()
+    assert got["sampler_greedy"] == naive_sampling.greedy(cases[:2]).tolist()
+
+    assert got["load_mismatch"] == []
+    assert got["reads_repeated"] == 0
+    assert got["bytes_read"] == got["bytes_held"]  # each rank reads its slices and nothing else
+
+    for name in ("greedy", "sampled"):  # the ledger holds exactly the collectives torch.distributed ran
+        assert got[f"{name}_ledger"] == got[f"{name}_counted"] != []
+    cfg = tiny_config()
+    blocks = cfg.num_hidden_layers * (1 + (tp > 1))  # the MoE block's all-reduce, and the mixer's under tp
+    per_token = got["greedy_per_token"]
+    # decode steps: NEW - 1 per row, plus the 3 steps row 0 waits while row 1 reads its prompt
+    steps, tokens = NEW - 1 + 3, (NEW - 1) + NEW  # row 1's first token comes from a decode step
+    assert per_token["all_reduce"]["count"] == pytest.approx(blocks * steps / tokens)
+    assert per_token["all_reduce"]["bytes"] == pytest.approx(blocks * steps * 2 * cfg.hidden_size * 4 / tokens)
+    assert per_token["all_gather"]["count"] == pytest.approx(steps / tokens)  # greedy: one gather of candidates
+
+
+def test_layout_replicates_heads_beyond_tp():
+    """tp = 4 over 2 kv heads: ranks 0, 1 hold head 0 and ranks 2, 3 head 1 (their q heads' GQA group)."""
+    assert [Layout(4, 1, r).heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [Layout(2, 1, r).heads(4) for r in range(2)] == [(0, 2), (2, 2)]
+    assert [Layout(2, 2, r).experts(8) for r in range(4)] == [(0, 4), (0, 4), (4, 4), (4, 4)]
+
+
+@pytest.mark.parametrize(
+    "tp,ep,key",
+    [
+        (3, 1, "model.arch.num_attention_heads: 4 is not divisible by parallel.tp=3"),
+        (1, 3, "model.arch.num_experts: 8 is not divisible by parallel.ep=3"),
+        (8, 1, "model.arch.num_attention_heads: 4 is not divisible by parallel.tp=8"),
+    ],
+    ids=["tp3", "ep3", "tp8"],
+)
+def test_layout_error_names_the_dimension(tp, ep, key):
+    from helpers import TINY_ARCH
+
+    assert layout_errors(TINY_ARCH, tp, ep)[0] == key
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["parallel.tp=2", "kernels.sampling=triton"], "kernels.sampling: the Triton sampler has no vocab-parallel"),
+        (["parallel.tp=2", "runtime=host"], "runtime: host samples full logits on the CPU"),
+        (["parallel.ep=2", "kernels.moe=triton"], "kernels.moe: the Triton MoE kernels hold every expert"),
+        (
+            ["parallel.tp=2", "model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=6"],
+            "model.arch.num_key_value_heads: 3 is not divisible by parallel.tp=2, nor parallel.tp by it",
+        ),
+        (["parallel.tp=0"], "parallel.tp: must be >= 1"),
+    ],
+    ids=["triton_sampler", "host", "ep_triton_moe", "kv_heads", "tp0"],
+)
+def test_parallel_settings_are_one_line(overrides, line, monkeypatch):
+    """Under torchrun (WORLD_SIZE=2) the config says in one line what has no sharded path."""
+    from compose import compose_config
+
+    from qmoe.settings import ConfigError, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config("logger=none", *overrides))
+    assert str(e.value).startswith(line), str(e.value)
+
+
+def cli(args, env=None, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_parallel_without_torchrun_is_one_line():
+    p = cli([sys.executable, "run.py", "parallel.tp=2", "logger=none"])
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("error: parallel: tp x ep = 2 x 1 = 2 processes, but 1 run"), lines[0]
+
+
+def torchrun(n: int, *args, timeout=180):
+    port = free_port()
+    return cli(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={port}", *args],
+        timeout=timeout,
+    )
+
+
+def test_wrong_world_size_is_one_line_from_rank_0(tmp_path):
+    p = torchrun(2, "run.py", "parallel.tp=4", "logger=none", f"hydra.run.dir={tmp_path}/run")
+    ours = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0
+    assert ours == [
+        "error: parallel: tp x ep = 4 x 1 = 4 processes, but 2 run (torchrun --nproc-per-node 4, "
+        "or set parallel.tp / parallel.ep to match)"
+    ], p.stderr
+    assert "exitcode  : 2" in p.stderr  # rank 0's exit code, as torchrun reports it
+    assert not (tmp_path / "run").exists()
+
+
+FAILING_RANK = """
+import os, runpy, sys
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "1":  # rank 1 fails in its third decode step, while rank 0 waits in an all-reduce
+    from qmoe.runtime import generate
+    step = generate.ReferenceRunner.step
+    def failing_step(self, forced):
+        if self.decode_steps >= 2:
+            raise RuntimeError("disk on fire")
+        return step(self, forced)
+    generate.ReferenceRunner.step = failing_step
+sys.argv[0] = os.path.join({root!r}, "run.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_failing_rank_stops_every_rank_with_one_line(tmp_path):
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK.format(root=str(ROOT)))
+    p = torchrun(2, str(script), "parallel.tp=2", "logger=none", f"hydra.run.dir={tmp_path}/run", timeout=120)
+    ours = [line for line in p.stderr.splitlines() if line.startswith("rank ")]
+    assert p.returncode != 0
+    assert ours == ["rank 1: error: RuntimeError: disk on fire"], p.stderr
+    assert "qmoe" not in "".join(line for line in p.stderr.splitlines() if line.startswith("  File"))  # no rank's
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_captured_collectives_are_recorded_once_per_replay():
+    """A CUDA-graph capture launches nothing: its collectives are recorded by each replay (graphs.py), not twice."""
+    from qmoe.parallel import collectives
+
+    ledger = TransferLedger().at("decode", 1)
+    with collectives.recording(ledger, "decode"):
+        with collectives.capturing() as captured:
+            collectives.record("all_reduce", 4096, "tp")
+        assert ledger.collectives == []
+        for _ in range(3):
+            collectives.replayed(captured)
+    assert [(c.kind, c.nbytes, c.method, c.group) for c in ledger.collectives] == [
+        ("all_reduce", 4096, "decode", "tp")
+    ] * 3
