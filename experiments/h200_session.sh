@@ -51,13 +51,13 @@ except Exception as e:
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;
     bench_norm) run_stage bench_norm python3 experiments/bench_norm.py ;;
     bench_checkpoint) run_stage bench_checkpoint python3 experiments/bench_checkpoint_load.py --device cuda ;;
-    bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py ;;
+    bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py --sections ${FP8_SECTIONS:-gemv moe} ;;
     bench_checkpoint_fp8) run_stage bench_checkpoint_fp8 python3 experiments/bench_checkpoint_load.py --device cuda --quant fp8_block ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
     e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
     profile) run_stage profile python3 experiments/bench_e2e.py --profile-only ;;
     pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
-    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py ;;
+    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile} ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done

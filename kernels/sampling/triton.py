@@ -670,7 +670,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
-    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks
+    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     device = logits.device
     part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, 3, dtype=torch.int32, device=device)
@@ -705,8 +705,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         )  # fmt: skip
     for r in range(rounds):
         _radix_round_kernel[grid](
-            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split, chunk_blocks,
-            R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, num_warps=num_warps,
+            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split,
+            chunk_blocks * (block // block_r), R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, num_warps=num_warps,
         )  # fmt: skip
     _race_kernel[grid](
         logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, race_f, race_i,
