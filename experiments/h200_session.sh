@@ -54,7 +54,7 @@ except Exception as e:
     bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py --sections ${FP8_SECTIONS:-gemv moe} ;;
     bench_checkpoint_fp8) run_stage bench_checkpoint_fp8 python3 experiments/bench_checkpoint_load.py --device cuda --quant fp8_block ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;
-    e2e) STAGE_TIMEOUT=260 run_stage e2e python3 experiments/bench_e2e.py ;;
+    e2e) STAGE_TIMEOUT=${E2E_TIMEOUT:-330} run_stage e2e python3 experiments/bench_e2e.py ;;
     profile) run_stage profile python3 experiments/bench_e2e.py --profile-only ;;
     pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
     tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile} ;;
