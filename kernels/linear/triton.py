@@ -17,10 +17,9 @@ Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS alr
 ceiling.
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
-kernel with SCALED: the GEMV loads each weight column's block scale beside the tile (128 columns to an address, so a
-step may span blocks and stream as many bytes as bf16) and multiplies w * x by it; the dot path (BLOCK_K <= 128,
-inside one scale block) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
-[BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
+kernel with SCALED: each BLOCK_K step (BLOCK_K <= 128, so it lies in one scale block) loads one scale per row and
+applies it in registers: the GEMV multiplies w * x by it, the dot path converts the tile to x's dtype (exact: e4m3
+fits bf16 and fp16) and scales the step's [BLOCK_M, BLOCK_N] product; fp32 accumulation either way. Above 64 rows
 (prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
 weights' rule; Triton's interpreter converts to fp8 wrongly near powers of two, so a Triton pre-pass could not be
 checked on the CPU) and the dot path runs with ACT_FP8 on the fp8 tensor cores, each step's product scaled by the
@@ -81,7 +80,7 @@ def default_config(M: int, N: int, K: int, num_sms: int, fp8: bool = False) -> d
     >= 4 programs per SM. M > 1: a dot tile BLOCK_N = 64 halved (to 16) and then split along K until there are
     >= 2 programs per SM."""
     if M == 1:
-        block_k = min(1024 if fp8 else 512, max(16, triton.next_power_of_2(K)))
+        block_k = min(SCALE_BLOCK_K if fp8 else 512, max(16, triton.next_power_of_2(K)))
         block_n = max(1, (8192 if fp8 else 4096) // block_k)
         while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
             block_n //= 2
@@ -114,8 +113,8 @@ def check_config(config: dict, fp8: bool = False) -> None:
         raise ValueError(f"linear config: the dot path (BLOCK_M > 1) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16: {config}")
     if config["SPLIT_K"] < 1:
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
-    if fp8 and bm != 1 and bk > SCALE_BLOCK_K:  # the GEMV takes any power of two (a scale per column)
-        raise ValueError(f"linear config: fp8 on the dot path needs BLOCK_K <= {SCALE_BLOCK_K}: {config}")
+    if fp8 and bk > SCALE_BLOCK_K:
+        raise ValueError(f"linear config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
 
 
 def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: bool = False) -> tuple:
@@ -194,10 +193,8 @@ def _linear_kernel(
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
     of the first N tile also write normed and the new residual for the layer's other readers).
-    SCALED: w is fp8 with s [N, ceil(K / 128)] fp32 (s_ptr is unused otherwise). GEMV path: each weight column
-    takes its block's scale (a [BLOCK_N, BLOCK_K] tile of scales, 128 columns to an address, so BLOCK_K may span
-    blocks and stream as many bytes per step as bf16); dot path: BLOCK_K <= 128 divides 128, so step k is in
-    scale block k // 128. ACT_FP8 (dot path, with SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
+    SCALED: w is fp8 with s [N, ceil(K / 128)] fp32; BLOCK_K <= 128 divides 128, so step k is in scale block
+    k // 128 (s_ptr is unused otherwise). ACT_FP8 (dot path, with SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -226,8 +223,6 @@ def _linear_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-        if SCALED:  # [BLOCK_N, BLOCK_K]: each column its block's scale
-            sc = tl.load(s_ptrs[:, None] + (offs_k // 128)[None, :], mask=k_mask, other=0.0)
         wait_for_producers(PDL)
         if NORM:
             rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
@@ -239,7 +234,7 @@ def _linear_kernel(
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         acc = w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K]
         if SCALED:
-            acc = acc * sc
+            acc = acc * tl.load(s_ptrs + k_start // 128)[:, None]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -256,8 +251,7 @@ def _linear_kernel(
             else:
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
             if SCALED:
-                sc = tl.load(s_ptrs[:, None] + ((k + tl.arange(0, BLOCK_K)) // 128)[None, :], mask=k_mask, other=0.0)
-                acc += (w.to(tl.float32) * x.to(tl.float32)) * sc
+                acc += (w.to(tl.float32) * x.to(tl.float32)) * tl.load(s_ptrs + k // 128)[:, None]
             else:
                 acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K

@@ -26,10 +26,9 @@ Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scatter
   shared expert on cuBLAS. A grid sized for the worst case skips blocks past the padded total.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
-the GEMV kernels load each weight column's block scale beside the tile (so their steps stream as many bytes as the
-bf16 ones), the tile kernels take one scale per output row per K step (BLOCK_K <= 128, inside one scale block) on
-the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3); fp32 accumulation everywhere.
-The prefill's shared expert dequantizes on the torch path (cuBLAS).
+every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies it in registers,
+to the GEMV's products or to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3);
+fp32 accumulation everywhere. The prefill's shared expert dequantizes on the torch path (cuBLAS).
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, weight dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
@@ -59,10 +58,10 @@ DEFAULT_CONFIGS = {
         "up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
         "down": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
     },
-    "gemv_fp8": {  # M = 1 with fp8 experts: the bf16 tiles' bytes per step (BLOCK_K spans scale blocks)
+    "gemv_fp8": {  # M = 1 with fp8 experts: BLOCK_K = 128, one scale per row per step; same bytes per tile
         "BLOCK_M": 1,
-        "up": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
-        "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
+        "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
     },
     "decode": {
         "BLOCK_M": 16,
@@ -104,8 +103,7 @@ def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
 
 def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale) -> tuple:
     """(EXPERTS_FP8, SHARED_FP8) of the weights, checked: each fp8 weight has its [..., N, ceil(K / 128)] fp32
-    scale, w13 and w2 agree, and a tile config's K steps (BLOCK_M > 1: one scale per step) lie in one scale block
-    (BLOCK_K <= 128; a GEMV config loads a scale per column, any BLOCK_K)."""
+    scale, w13 and w2 agree, and every K step of the config lies in one scale block (BLOCK_K <= 128)."""
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("moe: w13 and w2 are fp8 together (both scales) or not at all")
     pairs = {"w13": (w13, w13_scale), "w2": (w2, w2_scale), "shared_down": (shared_down_proj, shared_down_scale)}
@@ -121,8 +119,7 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
         if scale is None and w.dtype == FP8:
             raise ValueError(f"moe: {name} is float8_e4m3fn but has no scale")
     fp8 = w13_scale is not None, shared_down_scale is not None
-    steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
-    if any(fp8) and config["BLOCK_M"] != 1 and max(steps) > SCALE_BLOCK_K:
+    if any(fp8) and max(config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]) > SCALE_BLOCK_K:
         raise ValueError(f"moe config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
     return fp8
 
@@ -598,11 +595,9 @@ def _moe_up_gemv_kernel(
             up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         x = x.to(tl.float32)[None, :]
-        if EXPERTS_FP8:  # [BLOCK_N, BLOCK_K] scales: each column its block's
-            scale_cols = s_gate[:, None] + ((k0 + offs_k) // 128)[None, :]
-            scale_mask = (k0 + offs_k < H)[None, :]
-            acc_gate += (gate.to(tl.float32) * x) * tl.load(scale_cols, mask=scale_mask, other=0.0)
-            acc_up += (up.to(tl.float32) * x) * tl.load(scale_cols + I * kb, mask=scale_mask, other=0.0)
+        if EXPERTS_FP8:  # BLOCK_K <= 128: the step is in scale block k0 // 128
+            acc_gate += (gate.to(tl.float32) * x) * tl.load(s_gate + k0 // 128)[:, None]
+            acc_up += (up.to(tl.float32) * x) * tl.load(s_gate + I * kb + k0 // 128)[:, None]
         else:
             acc_gate += gate.to(tl.float32) * x
             acc_up += up.to(tl.float32) * x
@@ -650,10 +645,10 @@ def _moe_down_gemv_kernel(
         a = tl.load(
             h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
         )
-        if EXPERTS_FP8:  # [TOP, BLOCK_N, BLOCK_K] scales: each column its block's; none past I
-            scale_mask = top_mask[:, None, None] & k_mask[None, None, :]
-            w_scale = tl.load(w_scales[:, :, None] + (offs_k // 128)[None, None, :], mask=scale_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * w_scale * a.to(tl.float32)[:, None, :], 2)
+        if EXPERTS_FP8:  # BLOCK_K <= 128: one scale per (expert, row) per step; none past I
+            in_i = k0 + tl.zeros((BLOCK_N,), tl.int32) < I  # [BLOCK_N]: a tensor mask (a scalar is not portable)
+            w_scale = tl.load(w_scales + k0 // 128, mask=top_mask[:, None] & in_i[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2) * w_scale
         else:
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).

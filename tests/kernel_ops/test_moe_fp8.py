@@ -59,11 +59,6 @@ FP8_GEMV_SMALL = {
     "up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
     "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
 }
-FP8_GEMV_WIDE = {  # steps of 256 columns: two scale blocks each
-    "BLOCK_M": 1,
-    "up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1},
-    "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1},
-}
 F32, F16 = torch.float32, torch.float16
 # (M, H, E, I, Is, K, router, dtype, shared fp8, reason); H = 300 is scale blocks 128, 128, 44 and I = 136 is 128, 8
 DECODE_CASES = [
@@ -88,7 +83,6 @@ def test_fp8_moe_block_decode(M, H, E, I, Is, K, router, dtype, shared_fp8, reas
 GEMV_CASES = [
     (300, 8, 136, 40, 2, F32, True, "GEMV: H and I over several scale blocks with tails, the shared loop ends first"),
     (256, 5, 40, 200, 5, F16, False, "GEMV: K = E, Is > I: the down loop runs past I (expert scales masked there)"),
-    (300, 8, 136, 40, 2, F32, True, "GEMV wide steps: 256-column steps span two scale blocks, tails masked"),
 ]
 
 
@@ -97,9 +91,8 @@ GEMV_CASES = [
 )
 def test_fp8_moe_block_gemv(H, E, I, Is, K, dtype, shared_fp8, reason):
     args, scales = fp8_block_args(1, H, E, I, Is, dtype, shared_fp8, seed=H)
-    config = FP8_GEMV_WIDE if "wide" in reason else FP8_GEMV_SMALL
-    scratch = decode_poisoned(args[0], I, K, config)
-    out = moe.moe_block_decode(*args, K, config, scratch, *scales)
+    scratch = decode_poisoned(args[0], I, K, FP8_GEMV_SMALL)
+    out = moe.moe_block_decode(*args, K, FP8_GEMV_SMALL, scratch, *scales)
     assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
 
 
@@ -119,8 +112,7 @@ def test_fp8_fused_moe_sorted(dtype):
 
 @pytest.mark.parametrize("M", [1, 3, 65], ids=["M1 gemv_fp8", "M3 decode", "M65 prefill"])
 def test_fp8_moe_block_default_configs(M):
-    """The public op with its default configs (fp8 GEMV: 1024 / 512-column steps), and the torch reference given fp8
-    weights."""
+    """The public op with its default configs (fp8 GEMV: BLOCK_K 128), and the torch reference given fp8 weights."""
     args, scales = fp8_block_args(M, 300, 6, 136, 40, torch.float32, shared_fp8=True, seed=M)
     ref = reference(args, scales, 2)
     assert rel_err(moe.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
@@ -135,9 +127,8 @@ def test_fp8_scales_and_configs_are_checked():
         moe.moe_block_decode(*args, 2, None, None, s13, s2, None)
     with pytest.raises(ValueError, match=r"w2 with a scale must be .* float32 scale \[6, 300, 2\]"):
         moe.moe_block_decode(*args, 2, None, None, s13, s2[..., :1], s_shared)
-    wide_tile = {**moe.DEFAULT_CONFIGS["decode"], "up": {**moe.DEFAULT_CONFIGS["decode"]["up"], "BLOCK_K": 256}}
-    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):  # a tile step spans two scale blocks
-        moe.moe_block_decode(*args, 2, wide_tile, None, s13, s2, s_shared)
+    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
+        moe.moe_block_decode(*args, 2, moe.DEFAULT_CONFIGS["gemv"], None, s13, s2, s_shared)
 
 
 @pytest.mark.gpu
