@@ -224,11 +224,11 @@ def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
     }
     result = {"groups": groups, "host": host}
     if cuda:
+        os.environ["QMOE_PDL"] = "0"
+        step()  # the variant without PDL compiles outside the profile (and outside the byte meter)
         meter.clear()
         for wrapper in model.ops.values():
             wrapper.calls = []
-        os.environ["QMOE_PDL"] = "0"
-        step()  # the variant without PDL compiles outside the profile
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
