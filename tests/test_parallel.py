@@ -282,6 +282,21 @@ def test_layout_error_names_the_dimension(tp, ep, key):
     assert layout_errors(TINY_ARCH, tp, ep)[0] == key
 
 
+@pytest.mark.parametrize("tp,ep,dtype", [(8, 1, torch.bfloat16), (4, 2, torch.bfloat16), (2, 1, torch.bfloat16)])
+def test_397b_layouts_split_and_fit(tp, ep, dtype):
+    """The 397B-A17B runs of the multi-GPU issues: its dimensions split at these layouts, and a rank's shard of the
+    weights (meta model: nothing allocated) fits an H200's 139 GiB at tp x ep = 8, not at 2."""
+    from omegaconf import OmegaConf
+
+    from qmoe.model import ModelConfig
+    from qmoe.model.qwen35_moe import weight_nbytes
+
+    arch = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs/model/qwen35_moe_397b.yaml").arch)
+    assert layout_errors(arch, tp, ep) == []
+    per_rank = weight_nbytes(ModelConfig.from_dict(arch), dtype) / (tp * ep)
+    assert (per_rank < 139 * 2**30) == (tp * ep >= 8), per_rank / 2**30
+
+
 @pytest.mark.parametrize(
     "overrides,line",
     [
