@@ -53,21 +53,27 @@ def filter_probs(probs: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
     return keep
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
-    """logits [B, V] -> int64 [B]; parameters are [B] tensors (scalars broadcast)."""
-    B, V = logits.shape
-    device = logits.device
+def prepare(logits, temperature, top_k, top_p, min_p, seed, step) -> tuple:
+    """The sampler's inputs as it computes with them -> (fp64 logits, logits / temperature (greedy rows: / 1),
+    temperature, top_k, top_p, min_p (at most 1), seed, step as [B] tensors: scalars broadcast)."""
+    B = logits.shape[0]
 
     def per_row(x, dtype):
-        return torch.as_tensor(x, device=device).to(dtype).expand(B)
+        return torch.as_tensor(x, device=logits.device).to(dtype).expand(B)
 
-    temperature = per_row(temperature, torch.float64)
+    temperature, top_p, min_p = (per_row(x, torch.float64) for x in (temperature, top_p, min_p))
     top_k, seed, step = (per_row(x, torch.int64) for x in (top_k, seed, step))
-    top_p, min_p = (per_row(x, torch.float64) for x in (top_p, min_p))
-    min_p = min_p.clamp(max=1)
-
     logits = logits.double()
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    return logits, scaled, temperature, top_k, top_p, min_p.clamp(max=1), seed, step
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]; parameters are [B] tensors (scalars broadcast)."""
+    V = logits.shape[1]
+    logits, scaled, temperature, top_k, top_p, min_p, seed, step = prepare(
+        logits, temperature, top_k, top_p, min_p, seed, step
+    )
     probs = torch.softmax(scaled, dim=-1)
     keep = filter_probs(probs, top_k, top_p, min_p)
     race = torch.where(keep, probs / -uniform_noise(seed, step, V).log(), -1.0)

@@ -17,6 +17,7 @@ an exported method holds a fixed graph).
 import torch
 import torch.nn.functional as F
 
+from kernels.sampling import naive as naive_sampling
 from kernels.sampling.naive import INVALID_TOKEN, uniform_noise
 from qmoe.parallel.collectives import all_gather, all_reduce, size
 
@@ -90,20 +91,11 @@ def greedy(logits: torch.Tensor, start: int) -> torch.Tensor:
 
 def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
     """naive.sample of the gathered logits, from this rank's slice logits [B, V / world] -> int64 [B]."""
-    B, Vl = logits.shape
-    device = logits.device
+    Vl = logits.shape[1]
     V = Vl * size("world")
-
-    def per_row(x, dtype):
-        return torch.as_tensor(x, device=device).to(dtype).expand(B)
-
-    temperature = per_row(temperature, torch.float64)
-    top_k, seed, step = (per_row(x, torch.int64) for x in (top_k, seed, step))
-    top_p, min_p = (per_row(x, torch.float64) for x in (top_p, min_p))
-    min_p = min_p.clamp(max=1)
-
-    logits = logits.double()
-    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    logits, scaled, temperature, top_k, top_p, min_p, seed, step = naive_sampling.prepare(
+        logits, temperature, top_k, top_p, min_p, seed, step
+    )
     exp = (scaled - all_reduce(scaled.max(-1).values, "world", "max")[:, None]).exp()
     probs = exp / all_reduce(exp.sum(-1), "world")[:, None]  # softmax over the whole vocabulary
     keep = probs > 0

@@ -50,6 +50,17 @@ class Collective:
     group: str  # "tp" | "world"
 
 
+def tally(records, field: str) -> dict:
+    """Count and bytes of records (transfers or collectives) per "phase/method/<field>" and "phase/all/<field>"."""
+    per = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for r in records:
+        value = getattr(r, field)
+        for key in (f"{r.phase}/{r.method}/{value}", f"{r.phase}/all/{value}"):
+            per[key]["count"] += 1
+            per[key]["bytes"] += r.nbytes
+    return per
+
+
 class TransferLedger:
     def __init__(self):
         self.transfers: list[Transfer] = []
@@ -78,11 +89,7 @@ class TransferLedger:
     def inter_gpu(self, decode_tokens: int) -> dict:
         """Collectives of this rank: prefill totals per kind; per generated token of decode, per kind and per
         method x kind (count and bytes)."""
-        per = defaultdict(lambda: {"count": 0, "bytes": 0})
-        for c in self.collectives:
-            for key in (f"{c.phase}/{c.method}/{c.kind}", f"{c.phase}/all/{c.kind}"):
-                per[key]["count"] += 1
-                per[key]["bytes"] += c.nbytes
+        per = tally(self.collectives, "kind")
         zero = {"count": 0, "bytes": 0}
         out = {"prefill": {k: per.get(f"prefill/all/{k}", zero) for k in COLLECTIVE_KINDS}}
         if decode_tokens > 0:
@@ -102,11 +109,7 @@ class TransferLedger:
     def summary(self, decode_tokens: int) -> dict:
         """Counts and bytes per phase x method x direction; prefill totals; decode per generated token, in all and
         per method (decode_tokens: the tokens produced by decode steps, all rows)."""
-        per = defaultdict(lambda: {"count": 0, "bytes": 0})
-        for t in self.transfers:
-            for key in (f"{t.phase}/{t.method}/{t.direction}", f"{t.phase}/all/{t.direction}"):
-                per[key]["count"] += 1
-                per[key]["bytes"] += t.nbytes
+        per = tally(self.transfers, "direction")
         zero = {"count": 0, "bytes": 0}
         out = {
             "measured": True,
