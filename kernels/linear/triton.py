@@ -17,9 +17,10 @@ Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS alr
 ceiling.
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
-kernel with SCALED: each BLOCK_K step (BLOCK_K <= 128, so it lies in one scale block) loads one scale per row and
-applies it in registers: the GEMV multiplies w * x by it, the dot path converts the tile to x's dtype (exact: e4m3
-fits bf16 and fp16) and scales the step's [BLOCK_M, BLOCK_N] product; fp32 accumulation either way. Above 64 rows
+kernel with SCALED: the GEMV cuts each BLOCK_K step into unrolled sub-steps of at most 128 columns, each inside
+one scale block with one scale per row, so a step keeps BLOCK_K columns of loads in flight; the dot path
+(BLOCK_K <= 128) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
+[BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
 (prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
 weights' rule; Triton's interpreter converts to fp8 wrongly near powers of two, so a Triton pre-pass could not be
 checked on the CPU) and the dot path runs with ACT_FP8 on the fp8 tensor cores, each step's product scaled by the
@@ -79,9 +80,14 @@ def default_config(M: int, N: int, K: int, num_sms: int, fp8: bool = False) -> d
     16-byte loads each; fp8: BLOCK_K = 128, one scale block, 8192 elements) and BLOCK_N halved until there are
     >= 4 programs per SM. M > 1: a dot tile BLOCK_N = 64 halved (to 16) and then split along K until there are
     >= 2 programs per SM."""
+    if M == 1 and fp8:  # 512 columns in 4 unrolled sub-steps, 8 rows (experiments/fp8_gemv_probe.py)
+        block_k, block_n = min(512, max(16, triton.next_power_of_2(K))), 8
+        while block_n > 1 and triton.cdiv(N, block_n) < 2 * num_sms:
+            block_n //= 2
+        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
     if M == 1:
-        block_k = min(SCALE_BLOCK_K if fp8 else 512, max(16, triton.next_power_of_2(K)))
-        block_n = max(1, (8192 if fp8 else 4096) // block_k)
+        block_k = min(512, max(16, triton.next_power_of_2(K)))
+        block_n = max(1, 4096 // block_k)
         while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
             block_n //= 2
         return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
@@ -113,8 +119,8 @@ def check_config(config: dict, fp8: bool = False) -> None:
         raise ValueError(f"linear config: the dot path (BLOCK_M > 1) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16: {config}")
     if config["SPLIT_K"] < 1:
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
-    if fp8 and bk > SCALE_BLOCK_K:
-        raise ValueError(f"linear config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
+    if fp8 and bm != 1 and bk > SCALE_BLOCK_K:  # the GEMV splits its steps into 128-column sub-steps
+        raise ValueError(f"linear config: fp8 on the dot path needs BLOCK_K <= {SCALE_BLOCK_K}: {config}")
 
 
 def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: bool = False) -> tuple:
@@ -129,6 +135,7 @@ def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: 
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, ACT_FP8=act_fp8,
+        SUB_K=min(bk, SCALE_BLOCK_K),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
@@ -183,18 +190,54 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask,
     return normed
 
 
+@triton.jit
+def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, w_rows, k_start,
+                 k_end, K, stride_xm, stride_rm, eps, write_normed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SUB_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """The GEMV over fp8 weights -> [BLOCK_N] fp32: each BLOCK_K step is BLOCK_K / SUB_K unrolled sub-steps of
+    SUB_K = min(BLOCK_K, 128) columns, each inside one scale block with its own [BLOCK_N] row scale, so a step
+    issues BLOCK_K columns of loads before the first is used (one 128-column step per loop iteration was one
+    memory round trip per 128 bytes per row: 2-2.8x slower, experiments/fp8_gemv_probe.py)."""
+    wait_for_producers(PDL)
+    if NORM:
+        rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
+    c = tl.arange(0, SUB_K)
+    acc = tl.zeros((BLOCK_N, SUB_K), tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        for u in tl.static_range(BLOCK_K // SUB_K):
+            cols = k + u * SUB_K + c  # [SUB_K]; k_end is a multiple of BLOCK_K or K, so only K masks
+            k_mask = (cols < K)[None, :]
+            if EVEN_K:
+                w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
+            else:
+                w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=k_mask, other=0.0)
+            if NORM:
+                x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K,
+                                 stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
+            elif EVEN_K:
+                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :])
+            else:
+                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :], mask=k_mask, other=0.0)
+            block = k + u * SUB_K + tl.zeros((BLOCK_N,), tl.int32)  # a tensor mask: no scale past K
+            scale = tl.load(s_ptrs + block // 128, mask=block < K, other=0.0)
+            acc += (w.to(tl.float32) * x.to(tl.float32)) * scale[:, None]
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, xs_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, k_per_split, SPLIT,
     res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACT_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    SUB_K: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
     of the first N tile also write normed and the new residual for the layer's other readers).
-    SCALED: w is fp8 with s [N, ceil(K / 128)] fp32; BLOCK_K <= 128 divides 128, so step k is in scale block
-    k // 128 (s_ptr is unused otherwise). ACT_FP8 (dot path, with SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
+    SCALED: w is fp8 with s [N, ceil(K / 128)] fp32 (s_ptr is unused otherwise): the GEMV runs _scaled_gemv; on
+    the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. ACT_FP8 (dot path, with
+    SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -213,7 +256,14 @@ def _linear_kernel(
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # [BLOCK_M]; rows past M re-read row M - 1
     write_normed = pid_n == 0
     s_ptrs = s_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_sn  # [BLOCK_N], at K block 0
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and SCALED:
+        out = _scaled_gemv(
+            x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, w_rows, k_start, k_end, K,
+            stride_xm, stride_rm, eps, write_normed, BLOCK_N, BLOCK_K, SUB_K, EVEN_K, NORM, PDL,
+        )  # fmt: skip
+        offs_out = pid_m * N + offs_n
+        mask = offs_n < N
+    elif BLOCK_M == 1:
         x_ptrs = x_ptr + x_rows * stride_xm + offs_k[None, :]  # [1, BLOCK_K]
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         # The first K block is peeled: its weight tile loads before the wait (weights are never written), so
@@ -233,8 +283,6 @@ def _linear_kernel(
         else:
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
         acc = w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        if SCALED:
-            acc = acc * tl.load(s_ptrs + k_start // 128)[:, None]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -250,10 +298,7 @@ def _linear_kernel(
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            if SCALED:
-                acc += (w.to(tl.float32) * x.to(tl.float32)) * tl.load(s_ptrs + k // 128)[:, None]
-            else:
-                acc += w.to(tl.float32) * x.to(tl.float32)
+            acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)  # [BLOCK_N]: one reduction over K, after the loop

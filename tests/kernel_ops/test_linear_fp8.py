@@ -36,6 +36,8 @@ CASES = [
     (1, 29, 300, config(1, 4, 32), "GEMV, four steps per scale block, K tail inside the last block"),
     (1, 33, 300, config(1, 4, 64, SPLIT_K=3), "GEMV split-K: splits of 2 steps start mid-scale-block"),
     (3, 17, 200, config(1, 16, 64), "GEMV path at M = 3, N < BLOCK_N"),
+    (1, 37, 300, config(1, 8, 256), "GEMV, two 128-column sub-steps per step, the second step past K (tail)"),
+    (1, 21, 700, config(1, 4, 512, SPLIT_K=2), "GEMV split-K of 512-column steps in 4 sub-steps, K tail"),
     (1, 40, 300, config(16, 16, 32), "dot path at M = 1: 15 masked rows"),
     (7, 45, 300, config(16, 32, 64, SPLIT_K=2), "dot split-K, M < BLOCK_M, N and K tails"),
     (37, 23, 136, config(16, 16, 128), "dot, three M tiles, K = 128 + 8"),
@@ -56,14 +58,15 @@ def test_fp8_linear_into(M, N, K, cfg, reason, dtype):
 
 @pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last skinny", "M65 fp8 x fp8"])
 def test_fp8_linear_default_configs_and_reference(M):
-    """The public op (default configs; fp8 defaults keep BLOCK_K <= 128) and naive.linear, across the hand-over
+    """The public op (default configs: GEMV steps of up to 512 columns in 128-column sub-steps, dot steps of at most
+    128) and naive.linear, across the hand-over
     (above 64 rows the activations are quantized too: compared with the same quantization in the reference)."""
     x, q, scale = make(M, 70, 300, torch.float32, seed=M)
     ref = reference(x, q, scale)
     act_ref = act_quantized(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
     assert rel_err(lin.linear(x, q, scale), act_ref) < TOL[torch.float32]
     assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
-    assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= 128
+    assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= (512 if M == 1 else 128)
 
 
 def test_fp8_row_slice_of_a_fused_buffer():
@@ -74,8 +77,8 @@ def test_fp8_row_slice_of_a_fused_buffer():
 
 
 def test_fp8_configs_and_inputs_are_checked():
-    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
-        lin.make_plan(1, 8, 512, config(1, 8, 256), fp8=True)
+    with pytest.raises(ValueError, match=r"fp8 on the dot path needs BLOCK_K <= 128"):
+        lin.make_plan(2, 8, 512, config(16, 16, 256), fp8=True)
     x, q, scale = make(1, 8, 300, torch.float32)
     with pytest.raises(ValueError, match=r"row-contiguous float32 scale \[8, 3\], got .* torch.float32 \[8, 1\]"):
         lin.linear(x, q, scale[:, :1])
