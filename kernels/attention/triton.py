@@ -330,13 +330,14 @@ def decode_attention_into(
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert out.is_contiguous() and o_part.is_contiguous() and lse_part.is_contiguous()
     G = HQ // HKV
+    on = pdl(q)
     _decode_kernel[(B, HKV, splits)](
         q, gate, k, v, q_weight, k_weight, inv_freq, k_cache, v_cache, positions, o_part, lse_part,
         split_arrivals(B * HKV, q.device), out, eps, scale * 1.4426950408889634,
         q.stride(0), q.stride(2), gate.stride(0), gate.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0),
-        HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits, PDL=pdl(q), launch_pdl=pdl(q),
+        HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits, PDL=on, launch_pdl=on,
         **{**_decode_config(G, D, splits, k_cache.dtype), **(options or {})},
     )  # fmt: skip
 

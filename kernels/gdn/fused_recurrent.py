@@ -217,11 +217,12 @@ def gated_delta_net_decode(
     assert BV >= 1 and BV * splits == triton.next_power_of_2(dv), "splits: a power of two up to the value head dim"
     sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
     kw = conv_weight.shape[-1]
+    on = pdl(mixed_qkv)
     _decode_kernel[(B, nv, splits)](
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
         reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
-        PDL=pdl(mixed_qkv), launch_pdl=pdl(mixed_qkv), num_warps=8 if BK * BV >= 128 * 64 else 4,
+        PDL=on, launch_pdl=on, num_warps=8 if BK * BV >= 128 * 64 else 4,
     )  # fmt: skip
     return out

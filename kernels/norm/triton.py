@@ -89,6 +89,7 @@ def add_rms_norm_into(
     """hidden = x + residual; out = rms_norm(hidden): one read of x and residual, one write of each output."""
     x2, res2 = _rows(x), _rows(residual)
     block, warps = _launch_config(x2.shape[1])
+    on = pdl(x2)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
         res2,
@@ -101,8 +102,8 @@ def add_rms_norm_into(
         x2.shape[1],
         HAS_RESIDUAL=True,
         BLOCK=block,
-        PDL=pdl(x2),
-        launch_pdl=pdl(x2),
+        PDL=on,
+        launch_pdl=on,
         num_warps=warps,
     )
 
