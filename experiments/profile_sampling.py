@@ -1,0 +1,63 @@
+"""Where the fused sampler's time goes, per launch: top-k 50 + top-p 0.9 over bench_sampling's shapes at B = 1 and
+256 (V = 248,320, fp32), one call profiled after a warm-up (torch.profiler, eager), the CUDA time of each kernel.
+Rows whose cut took the radix rounds show it as many `_radix_round_kernel` launches with real work.
+
+    PYTHONPATH=. python experiments/profile_sampling.py [--out results/profile_sampling.json]
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from bench_sampling import VOCAB, make_logits
+from benchlib import write_json
+
+from kernels.sampling import triton as fused
+
+SHAPES = ("llm", "flat", "peaked", "ties", "zipf", "masked")
+
+
+def profile_call(logits, params) -> dict:
+    """{kernel name: (launches, total µs)} of one sample() call."""
+    fused.sample(logits, *params)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused.sample(logits, *params)
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += 1
+            kernels[e.name][1] += e.device_time
+    return {k: tuple(v) for k, v in kernels.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/profile_sampling.json")
+    args = parser.parse_args()
+    t0 = time.time()
+    rows = []
+    for B in (1, 256):
+        for shape in SHAPES:
+            logits = make_logits(B, VOCAB, shape, torch.float32, "cuda", seed=0)
+            params = (
+                torch.ones(B, device="cuda"),
+                torch.full((B,), 50, dtype=torch.long, device="cuda"),
+                torch.full((B,), 0.9, device="cuda"),
+                torch.zeros(B, device="cuda"),
+                torch.zeros(B, dtype=torch.long, device="cuda"),
+                torch.zeros(B, dtype=torch.long, device="cuda"),
+            )
+            kernels = profile_call(logits, params)
+            total = sum(us for _, us in kernels.values())
+            rows.append({"B": B, "shape": shape, "total_us": total, "kernels": kernels})
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:4]
+            heaviest = "  ".join(f"{k[:22]} x{n} {us:.0f}" for k, (n, us) in top)
+            print(f"B={B:<4} {shape:<8} {total:>9.1f} us  {heaviest}")
+    write_json(args.out, "profile_sampling", "cuda", rows=rows, seconds=time.time() - t0)
+
+
+if __name__ == "__main__":
+    main()

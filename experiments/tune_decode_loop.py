@@ -1,0 +1,256 @@
+"""The 35B-A3B batch-1 decode step, measured whole, with one thing changed at a time (H200, random bf16 weights).
+
+A standalone tuner (tune_gemv.py, tune_moe.py) picks each kernel's config alone, with inputs rotated past L2.
+In the decode loop the kernels run back to back under Programmatic Dependent Launch: a kernel's programs start
+while its producer finishes and load their first weight tile before they wait, so the best config in the loop
+can differ (e.g. a K block covering the whole row streams every weight byte of a program before the wait).
+This script measures the step itself:
+
+1. Parts: the step with one op group replaced by a function that launches nothing (its output a zero buffer or
+   a view of its input): MoE, DeltaNet, attention, the layers' dense projections (lm_head kept), sampling; and
+   the step with PDL off. step - step_without_part = what the part costs in the loop, overlap included.
+2. In-loop coordinate descent over M = 1 launch configs, one shape at a time (lm_head, DeltaNet in_proj, the
+   N = 2048, K = 4096 out projections, attention qkv, the MoE input projection, MoE up, MoE down): each
+   candidate replaces the table's entry, the step is captured and timed; the best so far stays for the next
+   shape. `--write-tables` writes the winners into kernels/{linear,moe}/configs/<GPU>.json.
+
+Timing: one decode step (the model's eager forward + greedy sample on Triton ops, as the CUDA-native runner's
+graph holds it) captured in a CUDA graph, replayed `--replays` times back to back, median of 3 such runs
+(ms per step). The step reads its 5.9 GB of active weights from HBM every replay (50 MB of L2).
+
+    PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from bench_e2e import TRITON_GROUPS, config
+from benchlib import ceilings, write_json
+
+from kernels.linear import triton as linear_triton
+from kernels.moe import triton as moe_triton
+from kernels.tuned import gpu_config_path
+from qmoe.app import get_model
+from qmoe.metrics.measure import active_weight_bytes
+from qmoe.settings import validate
+
+PROMPT_POS = 128
+# M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages); the table's entry is always measured first
+GEMV_CANDIDATES = {
+    2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2)],
+    4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2)],
+}
+MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
+                     (8, 2048, 8, 1), (4, 512, 4, 2)]  # fmt: skip
+MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
+                       (1, 512, 4, 2)]  # fmt: skip
+
+
+class Patched:
+    """An op module with some functions replaced; everything else forwards to the module."""
+
+    def __init__(self, module, **functions):
+        self._module, self.__dict__["functions"] = module, functions
+        self.__name__ = module.__name__
+
+    def __getattr__(self, name):
+        return self.functions[name] if name in self.functions else getattr(self._module, name)
+
+
+ZEROS: dict = {}
+
+
+def zeros(shape, dtype, device) -> torch.Tensor:
+    """A zero buffer made once per (shape, dtype) outside the graph; nothing writes it."""
+    key = (tuple(shape), dtype)
+    if key not in ZEROS:
+        ZEROS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return ZEROS[key]
+
+
+def without(model, ops: dict, part: str) -> dict:
+    """ops (the model's, on Triton) with `part` launching nothing."""
+    ops, device, vocab = dict(ops), model.device, model.config.vocab_size
+    if part == "moe":
+        ops["moe"] = Patched(ops["moe"], moe_block=lambda rows, *args: rows)
+    elif part == "gdn":
+        ops["gdn"] = Patched(ops["gdn"], gated_delta_net=lambda qkv, z, *args: zeros(z.shape, z.dtype, device))
+    elif part == "attention":
+
+        def attention(q, gate, *args):
+            return zeros((*q.shape[:2], q.shape[2] * q.shape[3]), q.dtype, device)
+
+        ops["attention"] = Patched(ops["attention"], gated_attention=attention)
+    elif part == "dense":
+        real = ops["linear"].linear
+
+        def linear(x, weight, scale=None):
+            if weight.shape[0] == vocab:  # lm_head stays
+                return real(x, weight, scale)
+            return zeros((*x.shape[:-1], weight.shape[0]), x.dtype, device)
+
+        def add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
+            return zeros((*x.shape[:-1], weight.shape[0]), x.dtype, device), x, x
+
+        ops["linear"] = Patched(ops["linear"], linear=linear, add_rms_norm_linear=add_rms_norm_linear)
+    elif part == "sampling":
+        token = lambda logits, *params: zeros(logits.shape[:1], torch.long, device)  # noqa: E731
+        ops["sampling"] = Patched(ops["sampling"], sample=token)
+    elif part != "none":
+        raise ValueError(part)
+    return ops
+
+
+def step_ms(model, replays: int) -> float:
+    """One decode step at position PROMPT_POS, captured in a CUDA graph -> median ms per replay."""
+    device = model.device
+    tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
+    input_pos = torch.full((1,), PROMPT_POS, dtype=torch.long, device=device)
+    ints = lambda: torch.zeros(1, dtype=torch.long, device=device)  # noqa: E731
+    params = (torch.zeros(1, device=device), ints(), torch.ones(1, device=device), torch.zeros(1, device=device))
+    params += (ints(), ints())  # temperature 0 (greedy), top-k, top-p, min-p, seed, step
+
+    def step():
+        return model.sample(model(tokens, input_pos), *params)
+
+    with torch.no_grad():
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / replays)
+    del graph
+    return statistics.median(runs)
+
+
+def gemv_config(c) -> dict:
+    return dict(BLOCK_M=1, BLOCK_N=c[0], BLOCK_K=c[1], SPLIT_K=1, num_warps=c[2], num_stages=c[3])
+
+
+def moe_part(c) -> dict:
+    return dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3])
+
+
+def set_gemv(key: str, cfg: dict) -> None:
+    linear_triton.CONFIG_TABLE.setdefault(key, {})["1"] = cfg
+    linear_triton._PLANS.clear()
+
+
+def set_moe(key: str, cfg: dict) -> None:
+    moe_triton.CONFIG_TABLE.setdefault(key, {})["1"] = cfg
+    moe_triton.get_config.cache_clear()
+
+
+def descend(model, replays, rows, what, key, current, candidates, apply) -> dict:
+    """Try each candidate for one table entry in the loop; keep the fastest (the current entry first)."""
+    best_cfg, best_ms = current, None
+    for cfg in [current, *[c for c in candidates if c != current]]:
+        apply(key, cfg)
+        try:
+            ms = step_ms(model, replays)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (resources) is reported, not fatal
+            rows.append({"what": what, "key": key, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        rows.append({"what": what, "key": key, "config": cfg, "step_ms": ms})
+        print(f"  {what:<14} {json.dumps(cfg):<100} {ms:.4f} ms", flush=True)
+        if best_ms is None or ms < best_ms:
+            best_cfg, best_ms = cfg, ms
+    apply(key, best_cfg)
+    return best_cfg
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/tune_decode_loop.json")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--write-tables", action="store_true")
+    parser.add_argument("--skip-descent", action="store_true")
+    args = parser.parse_args()
+    t0 = time.time()
+    ceil = ceilings("cuda")
+    cfg = config("model=qwen35_moe")
+    model = get_model(cfg, validate(cfg), progress=False).model
+    model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
+    model.setup_caches(1, PROMPT_POS + 16)
+    floor_ms = active_weight_bytes(model.config, model.dtype) / (ceil["copy_gbs"] * 1e9) * 1e3
+    out = dict(ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, replays=args.replays)
+
+    def save():
+        write_json(args.out, "tune_decode_loop", "cuda", **out, seconds=time.time() - t0)
+
+    full_ops = model.ops
+    parts = {}
+    for part in ("none", "moe", "gdn", "attention", "dense", "sampling"):
+        model.ops = without(model, full_ops, part)
+        parts[part] = step_ms(model, args.replays)
+        print(f"without {part:<10} {parts[part]:.4f} ms", flush=True)
+    model.ops = full_ops
+    os.environ["QMOE_PDL"] = "0"
+    parts["pdl_off"] = step_ms(model, args.replays)
+    os.environ.pop("QMOE_PDL")
+    out["parts_ms"] = parts
+    out["part_cost_ms"] = {p: parts["none"] - ms for p, ms in parts.items() if p not in ("none", "pdl_off")}
+    save()
+    if args.skip_descent:
+        return
+    H, cfg_m = model.config.hidden_size, model.config
+    E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
+    gemv_shapes = [  # (what, N, K)
+        ("lm_head", cfg_m.vocab_size, H),
+        ("gdn_in", 12352, H),
+        ("out_proj", H, 4096),
+        ("attn_qkv", 9216, H),
+        ("moe_in", E + 2 * cfg_m.shared_expert_intermediate_size + 1, H),
+    ]
+    rows, chosen = [], {"linear": {}, "moe": {}}
+    for what, N, K in gemv_shapes:
+        key = linear_triton.shape_key(N, K, model.dtype)
+        current = linear_triton.get_config(1, N, K, model.dtype, 132)
+        best = descend(model, args.replays, rows, what, key, current,
+                       [gemv_config(c) for c in GEMV_CANDIDATES[K]], set_gemv)  # fmt: skip
+        chosen["linear"][key] = best
+        out.update(descent=rows, chosen=chosen)
+        save()
+    key = moe_triton.shape_key(E, H, I, model.dtype)
+    current = moe_triton.get_config(1, E, H, I, model.dtype)
+    up_cfgs = [{**current, "up": moe_part(c)} for c in MOE_UP_CANDIDATES]
+    best = descend(model, args.replays, rows, "moe_up", key, current, up_cfgs, set_moe)
+    down_cfgs = [{**best, "down": moe_part(c)} for c in MOE_DOWN_CANDIDATES]
+    best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
+    chosen["moe"][key] = best
+    out["final_ms"] = step_ms(model, args.replays)
+    out.update(descent=rows, chosen=chosen)
+    save()
+    if args.write_tables:
+        name = torch.cuda.get_device_name()
+        for module, entries in ((linear_triton, chosen["linear"]), (moe_triton, chosen["moe"])):
+            path = gpu_config_path(module.CONFIG_DIR, name)
+            table = json.loads(path.read_text()) if path.exists() else {}
+            for key, cfg in entries.items():
+                table.setdefault(key, {})["1"] = cfg
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"\nfloor {floor_ms:.3f} ms; step {parts['none']:.4f} ms (PDL off {parts['pdl_off']:.4f}); "
+          f"after descent {out['final_ms']:.4f} ms")  # fmt: skip
+    print(f"{'part':<10} {'in-loop ms':>10}")
+    for p, ms in out["part_cost_ms"].items():
+        print(f"{p:<10} {ms:>10.4f}")
+
+
+if __name__ == "__main__":
+    main()
