@@ -27,17 +27,16 @@ from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
 @triton.jit
-def _conv_load(x_ptr, conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr):
-    """The conv inputs of channels ch [N]: their state slots [N, KP] (KP = next power of two >= KW-1: the
-    slots as one tile), the same shifted left by one slot, the new token [N], the weights [N, KP] and [N]."""
+def _conv_load(conv_ptr, w_ptr, ch, mask, KW: tl.constexpr, KP: tl.constexpr):
+    """The conv inputs of channels ch [N] but the new token: their state slots [N, KP] (KP = next power of two
+    >= KW-1: the slots as one tile), the same shifted left by one slot, the weights [N, KP] and [N]."""
     j = tl.arange(0, KP)
     slots = conv_ptr + ch[:, None] * (KW - 1) + j[None, :]  # [N, KP]
     old = tl.load(slots, mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
     shifted = tl.load(slots + 1, mask=mask[:, None] & (j < KW - 2)[None, :], other=0.0)  # old slot j + 1
-    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
     w_old = tl.load(w_ptr + ch[:, None] * KW + j[None, :], mask=mask[:, None] & (j < KW - 1)[None, :], other=0.0)
     w_new = tl.load(w_ptr + ch * KW + KW - 1, mask=mask, other=0.0)
-    return old, shifted, x, w_old, w_new
+    return old, shifted, w_old, w_new
 
 
 @triton.jit
@@ -95,7 +94,6 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     allow_dependents(PDL)
-    wait_for_producers(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // G
     NV = NK * G
@@ -109,13 +107,21 @@ def _decode_kernel(
     # Every load of the step is issued before any math that waits on one (one DRAM round trip). The state
     # tile, the long wait, goes between the q/k and v conv loads: first, Triton 3.9 moved it to the conv tiles'
     # layout (32 KiB of shared memory); after the v conv math, a layout conversion's barrier waited on the
-    # conv loads before it was issued (sm_90 TTGIR/PTX)
-    q_old, q_shifted, q_x, q_w, q_w_new = _conv_load(x_row, conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
-    k_old, k_shifted, k_x, k_w, k_w_new = _conv_load(x_row, conv_row, conv_w_ptr, k_ch, mk, KW, KP)
+    # conv loads before it was issued (sm_90 TTGIR/PTX).
+    # Before the PDL wait: the states (written by this kernel in the previous decode step, which a non-PDL
+    # launch -- the next forward's embedding -- separates from this one) and the weights. After it: the new
+    # token's q|k|v, z, a, b from the input projection.
+    q_old, q_shifted, q_w, q_w_new = _conv_load(conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
+    k_old, k_shifted, k_w, k_w_new = _conv_load(conv_row, conv_w_ptr, k_ch, mk, KW, KP)
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
-    v_old, v_shifted, v_x, v_w, v_w_new = _conv_load(x_row, conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
-    z = tl.load(z_ptr + b * stride_z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
+    v_old, v_shifted, v_w, v_w_new = _conv_load(conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
+    wait_for_producers(PDL)
+    conv_dtype = conv_ptr.dtype.element_ty
+    q_x = tl.load(x_row + q_ch, mask=mk, other=0.0).to(conv_dtype)  # [BK]
+    k_x = tl.load(x_row + k_ch, mask=mk, other=0.0).to(conv_dtype)
+    v_x = tl.load(x_row + v_ch, mask=mv, other=0.0).to(conv_dtype)  # [BV]
+    z = tl.load(z_ptr + b * stride_z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
     g, beta = gates(a_ptr + b * stride_a + h, b_ptr + b * stride_b + h, A_log_ptr, dt_bias_ptr, h, h < NV)
     tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
     readers = readers_ptr + b * NK + hk
