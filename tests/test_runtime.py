@@ -374,3 +374,37 @@ def test_memcpy_totals_from_a_trace():
         "d2h": {"count": 1, "bytes": 8},
         "d2d": {"count": 2, "bytes": 4096 + 32},  # before the range, and in it on another thread; not in it
     }
+
+
+class ScriptedRunner:
+    """A runner whose samples are scripted per position; it logs the loop's calls in order."""
+
+    def __init__(self, samples):
+        self.samples, self.log, self.pos = samples, [], 0
+
+    def start(self, prompt):
+        self.pos = prompt.shape[1]
+        return torch.tensor([self.samples[self.pos]])
+
+    def launch(self, forced):
+        self.pos += 1
+        step, token = self.pos, torch.tensor([self.samples[self.pos]])
+        self.log.append(("launch", step))
+
+        def ids():
+            self.log.append(("read", step))
+            return token
+
+        return ids
+
+
+def test_generate_queues_the_next_step_before_reading_one():
+    """The loop launches step t + 1 before it reads step t's ids (the device never waits on the host), stops
+    queueing at max_new_tokens, and drops the one step queued past an EOS."""
+    runner = ScriptedRunner(list(range(100, 120)))
+    gen = generate(runner, [[1, 2]], max_new_tokens=4)
+    assert gen.tokens == [[102, 103, 104, 105]]
+    assert runner.log == [("launch", 3), ("launch", 4), ("read", 3), ("launch", 5), ("read", 4), ("read", 5)]
+    runner = ScriptedRunner(list(range(100, 120)))
+    gen = generate(runner, [[1, 2]], max_new_tokens=10, eos_ids=[104])
+    assert gen.tokens == [[102, 103, 104]] and runner.log[-2:] == [("launch", 5), ("read", 4)]

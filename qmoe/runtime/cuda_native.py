@@ -83,11 +83,15 @@ class CudaNativeRunner(ProgramRunner):
         return self.read_back("sample" if self.split == "split" else self.first, self.token)
 
     @torch.no_grad()
-    def step(self, forced: torch.Tensor | None) -> torch.Tensor:
+    def launch(self, forced: torch.Tensor | None):
+        """Queue the step: the token ids stay on the device for the next step; only their read-back is waited on."""
         self.begin_decode()
         tokens, input_pos, step = self._inputs(self.next, 1)
         self.feed(self.next, tokens.view(self.batch), self.token, forced)
         self.token = self._run(self.next, tokens, input_pos, step)
         input_pos.add_(1)
         step.add_(1)
-        return self.read_back("sample" if self.split == "split" else self.next, self.token)
+        return self.read_back_later("sample" if self.split == "split" else self.next, self.token)
+
+    def step(self, forced: torch.Tensor | None) -> torch.Tensor:
+        return self.launch(forced)()

@@ -1,9 +1,15 @@
 """The generation loop shared by every runner, and the `reference` runner (the plain model, no export).
 
 A runner owns the device state: `start(prompt [B, L])` prefills positions 0..L-1 and returns the sampled next
-token per row; `step(forced)` feeds one token per row at the next position and returns the next sample.
-Rows of a batch advance together; a row whose prompt is longer than the shortest one is fed its own prompt
-tokens (`forced`) until its prompt is consumed, so ragged batches give each row what it would get alone.
+token per row; `step(forced)` feeds one token per row at the next position and returns the next sample;
+`launch(forced)` queues that step and returns a function that waits for its sample. Rows of a batch advance
+together; a row whose prompt is longer than the shortest one is fed its own prompt tokens (`forced`) until its
+prompt is consumed, so ragged batches give each row what it would get alone.
+
+The loop keeps one step queued ahead: step t + 1 is launched before step t's token ids are read, so the device
+runs the steps back to back while the host reads, checks and records the ids (a runner whose next step takes
+its input from the host, like `host` sampling, runs each step whole in `launch`: nothing overlaps). The step
+queued when the last row stops on an EOS id runs and is dropped; with max_new_tokens reached none is queued.
 """
 
 import time
@@ -45,7 +51,10 @@ class Runner:
 
     def __init__(self, model, batch: int, ledger: TransferLedger):
         self.model, self.batch, self.ledger = model, batch, ledger
-        self.token_host = torch.empty(batch, dtype=torch.int64, pin_memory=model.device.type == "cuda")
+        pinned = model.device.type == "cuda"
+        # two read-back buffers: a queued step's copy must not overwrite the ids the host has not read yet
+        self.read_buffers = [torch.empty(batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.token_host = self.read_buffers[0]  # the ids read back last
         self.decode_steps = 0
 
     def space_of(self, t: torch.Tensor) -> str:
@@ -61,15 +70,37 @@ class Runner:
         self.decode_steps += 1
         self.ledger.at("decode", self.decode_steps)
 
-    def put(self, method: str, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    def put(self, method: str, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         """dst <- src (nothing when they are one buffer); a copy across memory spaces is recorded."""
         if dst.data_ptr() == src.data_ptr() and dst.shape == src.shape:
             return dst
-        return transfer(dst, src, self.space_of(src), self.space_of(dst), self.ledger, method, "runner")
+        return transfer(dst, src, self.space_of(src), self.space_of(dst), self.ledger, method, "runner", non_blocking)
 
     def read_back(self, method: str, token: torch.Tensor) -> torch.Tensor:
         """Token ids [B] -> host (for EOS checks and streaming): the one read-back a step needs."""
-        return self.put(method, self.token_host, token).clone()
+        return self.read_back_later(method, token)()
+
+    def read_back_later(self, method: str, token: torch.Tensor):
+        """Queue the read-back of token ids [B] (asynchronous into pinned memory from a GPU) -> a function that
+        waits for it and returns the ids."""
+        buffer = self.read_buffers[self.decode_steps % 2]
+        self.put(method, buffer, token, non_blocking=True)
+        copied = torch.cuda.Event() if token.is_cuda else None
+        if copied is not None:
+            copied.record()
+
+        def ids() -> torch.Tensor:
+            if copied is not None:
+                copied.synchronize()
+            self.token_host = buffer
+            return buffer.clone()
+
+        return ids
+
+    def launch(self, forced: torch.Tensor | None):
+        """Queue one decode step -> a function returning its token ids. Here the whole step runs now."""
+        tokens = self.step(forced)
+        return lambda: tokens
 
 
 class ReferenceRunner(Runner):
@@ -149,6 +180,12 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, eos_ids=(), 
                 out[b].append(t)
                 done[b] = len(out[b]) >= max_new_tokens or t in eos
 
+    def forced_at(pos: int) -> torch.Tensor | None:
+        """The prompt ids fed at `pos` to rows still reading their prompt (-1: the row's own sample)."""
+        if pos >= longest:
+            return None
+        return torch.tensor([p[pos] if pos < len(p) else -1 for p in prompts], dtype=torch.int64)
+
     t0 = time.perf_counter()
     tokens = runner.start(prompt)
     ttft_ms = (time.perf_counter() - t0) * 1e3
@@ -158,21 +195,28 @@ def generate(runner, prompts: list[list[int]], max_new_tokens: int, eos_ids=(), 
     total_steps = longest - shortest + max_new_tokens - 1
     bar = tqdm(total=total_steps, desc="decode", disable=not progress, unit="step")
     pos = shortest
+    t0 = time.perf_counter()
+    queued = None if all(done) else runner.launch(forced_at(pos))
     try:
-        while not all(done):
-            forced = None
-            if pos < longest:  # some rows are still reading their prompt
-                forced = torch.tensor([p[pos] if pos < len(p) else -1 for p in prompts], dtype=torch.int64)
-            t0 = time.perf_counter()
-            tokens = runner.step(forced)  # the host read of the token ids synchronises the device
-            step_ms = (time.perf_counter() - t0) * 1e3
+        while queued is not None:
+            # Queue the next step before reading this one's ids. A forced step merges prompt ids with the last
+            # sample on the host, so it is queued only once this step's ids are read.
+            launched = len(gen.decode_ms) + 1
+            ahead = launched < total_steps and forced_at(pos + 1) is None
+            following = runner.launch(None) if ahead else None
+            tokens = queued()  # waits for the step's ids (the device runs on through `following`)
+            now = time.perf_counter()
+            step_ms, t0 = (now - t0) * 1e3, now
             pos += 1
-            _check_tokens(tokens, len(gen.decode_ms) + 1)
+            _check_tokens(tokens, launched)
             before = sum(map(len, out))
             take(tokens, pos)
             gen.decode_ms.append(step_ms)  # a step counts once its tokens are taken: the record stays consistent
             gen.decode_tokens += sum(map(len, out)) - before
             bar.update()
+            if all(done):
+                break
+            queued = following if ahead else runner.launch(forced_at(pos))
     except KeyboardInterrupt:
         gen.interrupted = True
     finally:

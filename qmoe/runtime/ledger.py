@@ -21,13 +21,13 @@ def direction(src_space: str, dst_space: str) -> str | None:
     return "d2h" if dst_space == HOST else "d2d"
 
 
-def transfer(dst, src, src_space: str, dst_space: str, ledger, method: str, source: str):
+def transfer(dst, src, src_space: str, dst_space: str, ledger, method: str, source: str, non_blocking=False):
     """dst.copy_(src) -> dst: the one place the runtime copies a tensor between buffers, recorded in `ledger`
-    (if any) unless it is host to host."""
+    (if any) unless it is host to host. non_blocking: a device-to-pinned-host copy returns before it is done."""
     kind = direction(src_space, dst_space)
     if kind is not None and ledger is not None:
         ledger.record(kind, src.nbytes, method, source)
-    return dst.copy_(src)
+    return dst.copy_(src, non_blocking=non_blocking)
 
 
 @dataclass(frozen=True)
