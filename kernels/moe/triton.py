@@ -7,10 +7,8 @@ this call, so each selected expert's weight tile is streamed once.
 
 Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
   M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
-        streams its k-th expert's gate and up rows; down program (N tile) ranks them too, before its PDL wait
-        (the up kernel lets it start only after its own wait, so the logits are complete), and loads the shared
-        expert's rows and its K experts' first K step while the up kernel runs; it sums the K experts and the
-        shared expert in fixed order in registers (no partials, counters or atomics). Only h is handed over.
+        streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
+        expert in fixed order, summing in registers (no partials, counters or atomics).
   up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
         routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
         with no token exits. Programs (0, e) write e's pair ids and softmax numerators exp(l_e - max l) for the
@@ -146,12 +144,9 @@ def _key_value(key):
 @triton.jit
 def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's top-k experts (descending logit, ties to the lower id) and their softmax probabilities
-    renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0.
-    The logits are read from L2 (.cg): the GEMV down kernel reads them before its wait, and an L1 line left by an
-    earlier kernel on the same SM must not answer."""
+    renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0."""
     offs_e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0, cache_modifier=".cg")
-    logits = logits.to(tl.float32)
+    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0).to(tl.float32)
     keys = tl.where(offs_e < E, _order_key(logits), -2147483648)  # padding below every real key
     # One int64 per expert, the order key above its inverted id: one max per k finds the largest logit and,
     # among equal keys, the lower id (an argmax and a second reduction for the value cost twice as long).
@@ -495,12 +490,17 @@ def _moe_down_decode_kernel(
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
     keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
-    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) hands
-    over h only (each kernel routes the token itself): no routing buffers, partials or counters."""
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs
+    neither partials nor counters."""
     M, H = x.shape
     P = M * top_k
-    if config["BLOCK_M"] == 1:
-        return {"h": x.new_empty(P, I), "out": x.new_empty(M, H)}
+    if config["BLOCK_M"] == 1:  # GEMV path: no partials, no counters
+        return {
+            "h": x.new_empty(P, I),
+            "f32": x.new_empty(P, dtype=torch.float32),
+            "i32": x.new_empty(P, dtype=torch.int32),
+            "out": x.new_empty(M, H),
+        }
     return {
         "h": x.new_empty(P, I),
         "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
@@ -521,6 +521,7 @@ def moe_block_decode(
     IS = shared_down_proj.shape[1]
     config = config or get_config(M, E, H, I, w13.dtype)
     scratch = scratch or decode_scratch(x, I, top_k, config)
+    h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
     scales = w13_scale, w2_scale, shared_down_scale
     experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, *scales)
@@ -528,7 +529,6 @@ def moe_block_decode(
         if M != 1:
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
         return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, *scales)
-    h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
@@ -556,22 +556,23 @@ def moe_block_decode(
 
 @triton.jit
 def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, E, H, I, stride_pe, w13_s_ptr,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EXPERTS_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
-    reduction after the loop. Every program ranks the E logits itself (no launch for routing).
-    The down kernel is let start only once every program here has waited for the input projection: then the
-    router logits are complete when the down kernel reads them before its own wait."""
-    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing)."""
     allow_dependents(PDL)
+    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
     k = tl.program_id(1)
-    top_ids, _ = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
     offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
     expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -609,19 +610,16 @@ def _moe_up_gemv_kernel(
 
 @triton.jit
 def _moe_down_gemv_kernel(
-    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, out_ptr, E, H, I, IS, stride_pe, w2_s_ptr, sd_s_ptr,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    w2_s_ptr, sd_s_ptr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
-    registers: no partials, no counters, no atomics, bit-reproducible.
-    Before the wait for the up kernel, each program routes the token itself (the router logits were complete
-    before this grid could start: the up kernel lets it start only after its own wait) and loads the shared
-    expert's rows [BLOCK_N, Is] and the first K step of its K experts' rows: under PDL these weights stream
-    while the up kernel runs, and only h, from L2, is read after the wait."""
+    registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
+    load before the wait (weights: under PDL they stream while the up kernel finishes)."""
     allow_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
@@ -632,21 +630,18 @@ def _moe_down_gemv_kernel(
     if SHARED_FP8:  # column j is in scale block j // 128
         s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
         ws = ws * tl.load(s_cols, mask=s_mask[None, :], other=0.0)
-    ids, weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    wait_for_producers(PDL)
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
+    ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
     kb_i = tl.cdiv(I, 128)
     w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
-    offs_k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & (offs_k < I)[None, None, :], other=0.0)
-    wait_for_producers(PDL)
     acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < I
-        if k0 > 0:  # the first step's rows were loaded before the wait
-            w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
         a = tl.load(
             h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
         )
@@ -662,6 +657,7 @@ def _moe_down_gemv_kernel(
     gate = gate.to(tl.float32)
     a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
     acc_shared = tl.sum(ws * a_shared[None, :], 1)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
     scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
     out = routed + scale * acc_shared
@@ -681,15 +677,14 @@ def moe_block_gemv(
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
-    block_e = triton.next_power_of_2(E)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], E, H, I, proj.stride(1), w13_s,
-        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=block_e, EVEN_K=H % up["BLOCK_K"] == 0,
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
         EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
-        scratch["h"], proj, w2, shared_down_proj, scratch["out"], E, H, I, IS, proj.stride(1), w2_s, sd_s,
-        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(IS),
+        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
+        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
         EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]

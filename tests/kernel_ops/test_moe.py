@@ -165,17 +165,20 @@ GEMV_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H,E,I,Is,K,reason", GEMV_CASES, ids=[c[-1].split(":")[0] for c in GEMV_CASES])
 def test_moe_block_gemv(H, E, I, Is, K, reason, dtype):
-    """One token on the GEMV kernels, every scratch buffer poisoned (h: a row the up kernel skips stays NaN)."""
+    """One token on the GEMV kernels, every scratch buffer poisoned; the routing they hand over is the reference's."""
     args = block_args(1, H, E, I, Is, dtype, seed=H)
     scratch = decode_poisoned(args[0], I, K, GEMV_SMALL)
     out = moe.moe_block_decode(*args, K, config=GEMV_SMALL, scratch=scratch)
     assert out.data_ptr() == scratch["out"].data_ptr() and out.shape == (1, H) and out.dtype == dtype
     assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
+    ref_w, ref_ids = naive.route(args[1][:, :E].float(), K)
+    assert torch.equal(scratch["i32"].long(), ref_ids.flatten())
+    torch.testing.assert_close(scratch["f32"], ref_w.flatten())
 
 
 def test_moe_block_gemv_routes_ties_like_the_reference():
-    """Both GEMV kernels rank the logits themselves: with exact ties inside the top k, the k-th slot must hold the
-    same expert in both (lower id first), or the down kernel applies one expert's rows to another's h."""
+    """Exact ties inside the top k: the k-th slot must hold the same expert in the up kernel, in the routing it
+    hands over and in the reference (lower id first), or the down kernel applies one expert's rows to another's h."""
     tied = lambda M, E: torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, -2.0, -1.0]]).expand(M, E)  # noqa: E731
     args = block_args(1, 32, 8, 16, 16, torch.float32, router=tied)
     out = moe.moe_block_decode(*args, 4, config=GEMV_SMALL, scratch=decode_poisoned(args[0], 16, 4, GEMV_SMALL))
