@@ -1,0 +1,79 @@
+"""Where an eager Triton op call's host time goes (35B-A3B decode shapes, M = 1, bf16): the whole op as the model
+calls it, then its pieces -- the wrapper's Python before the launch, the PDL switch, one output allocation, the
+Triton launch of the already-compiled kernel through `kernel[grid](...)`, and the compiled kernel's own launcher.
+Host-bound loops of N calls, wall clock per call after a warm-up (the GPU work is a few µs per call, so the
+host is the bound); each piece alone, so the sum need not equal the whole.
+
+    PYTHONPATH=. python experiments/host_overhead.py [--out results/host_overhead.json]
+"""
+
+import argparse
+import time
+
+import torch
+from benchlib import write_json
+
+from kernels.linear import triton as linear_triton
+from kernels.moe import triton as moe_triton
+from kernels.pdl import pdl
+
+N = 2000
+
+
+def per_call_us(fn, n: int = N) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / n
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/host_overhead.json")
+    args = parser.parse_args()
+    t0 = time.time()
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(1, 2048, device=dev, dtype=dt)
+    w = torch.randn(2048, 4096, device=dev, dtype=dt)  # out_proj: N = 2048, K = 4096
+    h = torch.randn(1, 4096, device=dev, dtype=dt)
+    out = torch.empty(1, 2048, device=dev, dtype=dt)
+    grid, split, k_per_split, meta = linear_triton.cached_plan(1, 2048, 4096, dt, h.device)
+    on = pdl(h)
+    launch_args = (h, w, out, w, w, 1, 2048, 4096, h.stride(0), w.stride(0), 0, 0, k_per_split, split,
+                   h, h, h, h, h.stride(0), 0.0)  # fmt: skip
+    compiled = linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+    rows = {
+        "linear (the op, eager)": per_call_us(lambda: linear_triton.linear(h, w)),
+        "linear_into (preallocated out)": per_call_us(lambda: linear_triton.linear_into(h, w, out)),
+        "cached_plan lookup": per_call_us(lambda: linear_triton.cached_plan(1, 2048, 4096, dt, h.device)),
+        "pdl(x) switch": per_call_us(lambda: pdl(h)),
+        "torch.empty(1, 2048)": per_call_us(lambda: torch.empty((1, 2048), dtype=dt, device=dev)),
+        "kernel[grid](...) launch": per_call_us(
+            lambda: linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+        ),
+    }
+    names = linear_triton._linear_kernel.arg_names  # every argument in order, constexprs included
+    values = dict(zip(names, launch_args)) | dict(meta, NORM=False, PDL=on)
+    try:
+        ordered = [values[n] for n in names]
+        rows["compiled kernel launcher"] = per_call_us(lambda: compiled[grid](*ordered))
+    except Exception as e:  # noqa: BLE001 - the launcher's calling convention differs between Triton versions
+        print(f"compiled kernel launcher: {type(e).__name__}: {e}")
+    E, H, I, IS = 256, 2048, 512, 512
+    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) / H**0.5
+    w2 = torch.randn(E, H, I, device=dev, dtype=dt) / I**0.5
+    sd = torch.randn(H, IS, device=dev, dtype=dt)
+    proj = torch.randn(1, E + 2 * IS + 1, device=dev, dtype=dt)
+    rows["moe_block (the op, eager)"] = per_call_us(lambda: moe_triton.moe_block(x, proj, w13, w2, sd, 8))
+    rows["torch.add (one aten op, reference)"] = per_call_us(lambda: torch.add(x, x))
+    write_json(args.out, "host_overhead", "cuda", us_per_call=rows, calls=N, seconds=time.time() - t0)
+    for name, us in rows.items():
+        print(f"{name:<40} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
