@@ -85,7 +85,7 @@ def gemv_config(up_k, down_k):
 def nan_tailed(scale):
     """scale in a buffer that continues with NaN: a scale read past its end (a sub-step wholly past K of the last
     expert's last row) poisons the output instead of reading whatever follows in memory."""
-    buf = torch.full((scale.numel() + 4096,), float("nan"))
+    buf = torch.full((scale.numel() + 4096,), float("nan"), device=scale.device)
     buf[: scale.numel()] = scale.flatten()
     return buf[: scale.numel()].view(scale.shape)
 
@@ -181,3 +181,28 @@ def test_fp8_moe_block_gpu_35b(M, shared_fp8):
     ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
     assert rel_err(out, ref) < 2e-2
     assert torch.equal(moe.moe_block(*args, K, *scales), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("up_k,down_k", [(128, 128), (512, 256), (1024, 512), (2048, 1024)])
+@pytest.mark.parametrize("H,I", [(2048, 512), (1856, 544)], ids=["35B H and I", "tails"])
+def test_fp8_moe_gemv_gpu_wide_steps(H, I, up_k, down_k):
+    """The M = 1 GEMV compiled for the GPU (bf16 activations) with the sweep's BLOCK_K range, at the 35B H and I and
+    with 16-aligned tails (H = 14.5 and I = 4.25 scale blocks: for BLOCK_K >= 256 the last step has sub-steps wholly
+    past them), NaN scratch and NaN-tailed scales."""
+    E, Is, K = 64, 512, 8
+    gen = torch.Generator(device="cuda").manual_seed(H + up_k)
+    x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5)
+    shared, s_shared = quantize_rows(torch.randn(H, Is, device="cuda", generator=gen) / Is**0.5)
+    proj = torch.randn(1, E + 2 * Is + 1, device="cuda", generator=gen).bfloat16()
+    proj[:, E - 1] = 10.0  # the last expert is routed: its last rows' scale reads end the scale tensors
+    args, scales = (x, proj, w13, w2, shared), tuple(nan_tailed(s) for s in (s13, s2, s_shared))
+    config = gemv_config(up_k, down_k)
+    out = moe.moe_block_decode(*args, K, config, decode_poisoned(x, I, K, config), *scales)
+    f32 = torch.float32
+    ref = naive.moe_block(
+        x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), dequantize(shared, s_shared), K
+    )
+    assert rel_err(out, ref) < 2e-2
