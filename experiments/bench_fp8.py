@@ -20,6 +20,8 @@ check fails. Then:
   sweep  M = 1 launch configs for the FP8 GEMV (per projection shape) and the FP8 MoE GEMV pair (per model shape):
          each candidate checked like the rows above, then timed; the winners go to results/bench_fp8_configs.json
          in the kernels/*/configs table format (keys with float8_e4m3fn), ready to merge into the GPU's table.
+         MoE: 7 up x 7 down tiles (BLOCK_K 128-2048), each pair's error and µs in the JSON, the old 128-column
+         default beside the winner; a wrong candidate fails the run.
 
     python experiments/bench_fp8.py [--out results/bench_fp8.json] [--sections gemv moe build] [--smoke]
 """
