@@ -20,6 +20,8 @@ check fails. Then:
   sweep  M = 1 launch configs for the FP8 GEMV (per projection shape) and the FP8 MoE GEMV pair (per model shape):
          each candidate checked like the rows above, then timed; the winners go to results/bench_fp8_configs.json
          in the kernels/*/configs table format (keys with float8_e4m3fn), ready to merge into the GPU's table.
+         MoE: 7 up x 7 down tiles (BLOCK_K 128-2048), each pair's error and µs in the JSON, the old 128-column
+         default beside the winner; a wrong candidate fails the run.
 
     python experiments/bench_fp8.py [--out results/bench_fp8.json] [--sections gemv moe build] [--smoke]
 """
@@ -221,8 +223,12 @@ def bench_moe(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
 
 
 GEMV_CANDIDATES = [(4, 128, 4), (8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 128, 8), (32, 128, 8), (16, 64, 4)]
-MOE_UP_CANDIDATES = [(8, 128), (16, 128), (32, 128)]
-MOE_DOWN_CANDIDATES = [(2, 128), (4, 128), (8, 128)]
+# M = 1 FP8 MoE GEMV tiles (BLOCK_N, BLOCK_K, num_warps): BLOCK_K > 128 loads a step's columns at once and scales
+# each 128-column sub-step; around the default (the bf16 GEMV's bytes per program), half and double the bytes, the
+# whole 35B H in one step, and the one-scale-block step that was the default before (16 x 128, 4 x 128)
+MOE_UP_CANDIDATES = [(8, 1024, 4), (16, 512, 4), (4, 1024, 4), (8, 512, 4), (16, 1024, 4), (8, 2048, 8), (16, 128, 4)]
+MOE_DOWN_CANDIDATES = [(4, 512, 4), (2, 512, 4), (4, 256, 4), (8, 256, 4), (2, 1024, 4), (8, 512, 8), (4, 128, 4)]
+MOE_OLD_DEFAULT = ((16, 128, 4), (4, 128, 4))  # gemv_fp8 before the sub-steps: the speed-up is reported against it
 
 
 def sweep_gemv_shape(N, K, device, dtype) -> tuple[dict | None, float, float]:
@@ -247,29 +253,36 @@ def sweep_gemv_shape(N, K, device, dtype) -> tuple[dict | None, float, float]:
     return best, us, default_us
 
 
-def sweep_moe_shape(s, device, dtype) -> tuple[dict | None, float, float]:
-    """M = 1, one shape: every (up, down) candidate pair, checked then timed -> (best, its µs, the default's µs)."""
+def sweep_moe_shape(s, device, dtype) -> tuple[dict | None, float, float, list[dict]]:
+    """M = 1, one shape: every (up, down) candidate pair, checked then timed -> (best, its µs, the default's µs,
+    every candidate's row)."""
     E, H, I, K = s["E"], s["H"], s["I"], s["K"]
     weights = [quantized((E, 2 * I, H), device, 1), quantized((E, H, I), device, 2), quantized((H, I), device, 3)]
     fp8, scales = [w for w, _ in weights], [sc for _, sc in weights]
     inputs = make_inputs(1, s, "uniform", 16 if device == "cuda" else 2, dtype, device)
     ref = moe_naive.moe_block(inputs[0][0].float(), inputs[0][1].float(), *(dequantize(*w) for w in weights), K)
-    timed = []
-    for (up_n, up_k), (down_n, down_k) in [(u, d) for u in MOE_UP_CANDIDATES for d in MOE_DOWN_CANDIDATES]:
+    timed, candidates = [], []
+    pairs = [(u, d) for u in MOE_UP_CANDIDATES for d in MOE_DOWN_CANDIDATES]
+    if device != "cuda":  # smoke: every up and every down tile once, in 7 pairs rather than 49
+        pairs = list(zip(MOE_UP_CANDIDATES, MOE_DOWN_CANDIDATES))
+    for up, down in pairs:
         cfg = {
             "BLOCK_M": 1,
-            "up": {"BLOCK_N": up_n, "BLOCK_K": up_k, "num_warps": 4, "num_stages": 2},
-            "down": {"BLOCK_N": down_n, "BLOCK_K": down_k, "num_warps": 4, "num_stages": 2},
+            "up": {"BLOCK_N": up[0], "BLOCK_K": up[1], "num_warps": up[2], "num_stages": 2},
+            "down": {"BLOCK_N": down[0], "BLOCK_K": down[1], "num_warps": down[2], "num_stages": 2},
         }
         err = rel_err(moe.moe_block_decode(*inputs[0], *fp8, K, cfg, None, *scales), ref)
+        row = {"up": up, "down": down, "rel_err_vs_fp32": err, "old_default": (up, down) == MOE_OLD_DEFAULT}
+        candidates.append(row)
         if not err < MOE_TOL:
             print(f"sweep moe {cfg}: WRONG (rel err {err:.1e})", flush=True)
             continue
         call = lambda i, cfg=cfg: moe.moe_block_decode(*inputs[i], *fp8, K, cfg, None, *scales)
-        timed.append((time_calls(call, len(inputs), device)[0], cfg))
+        row["us"] = time_calls(call, len(inputs), device)[0]
+        timed.append((row["us"], cfg))
     default_us, _ = time_calls(lambda i: moe.moe_block(*inputs[i], *fp8, K, *scales), len(inputs), device)
     us, best = min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
-    return best, us, default_us
+    return best, us, default_us, candidates
 
 
 def sweep(gemv_shapes, moe_shapes, device, dtype) -> tuple[list[dict], dict]:
@@ -286,11 +299,17 @@ def sweep(gemv_shapes, moe_shapes, device, dtype) -> tuple[list[dict], dict]:
         if device == "cuda":
             torch.cuda.empty_cache()
     for name, s in moe_shapes.items():
-        best, us, default_us = sweep_moe_shape(s, device, dtype)
-        rows.append({"op": "moe", "shape": name, "best": best, "best_us": us, "default_us": default_us})
+        best, us, default_us, candidates = sweep_moe_shape(s, device, dtype)
+        old_us = next((c.get("us", float("inf")) for c in candidates if c["old_default"]), float("nan"))
+        row = {"op": "moe", "shape": name, "best": best, "best_us": us, "default_us": default_us}
+        rows.append({**row, "old_default_us": old_us, "candidates": candidates})
         if best:
             table["moe"][moe.shape_key(s["E"], s["H"], s["I"], FP8)] = {"1": best}
-        print(f"sweep moe {name}: best {us:7.1f} us (default {default_us:7.1f}) {best}", flush=True)
+        print(
+            f"sweep moe {name}: best {us:7.1f} us (default {default_us:7.1f}, old 128-column default {old_us:7.1f})"
+            f" {best}",
+            flush=True,
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows, table
@@ -380,9 +399,16 @@ def main():
             f"{what[:40]:>40} {r['M']:>3} {r['fp8_us']:8.1f} {r['fp8_gbs']:7.0f} {r['fp8_pct_copy']:6.1f} {bf16} "
             f"{r['rel_err_vs_fp32']:8.1e} {r['check_ok']}"
         )
+    for r in sections.get("sweep", []):
+        if r["op"] == "moe":
+            print(
+                f"{'sweep moe ' + r['shape']:>40}   1 best {r['best_us']:8.1f}  default {r['default_us']:8.1f}  "
+                f"old 128-column {r['old_default_us']:8.1f} us  best {r['best']}"
+            )
     print_targets(targets)
     print(f"-> {args.out} ({time.time() - t0:.0f} s)")
     checks = [r["check_ok"] for rows in (sections.get("gemv", []), sections.get("moe", [])) for r in rows]
+    checks += [c["rel_err_vs_fp32"] < MOE_TOL for r in sections.get("sweep", []) for c in r.get("candidates", [])]
     if not all(checks):
         print("CORRECTNESS CHECK FAILED (see rows with ok=False)")
         sys.exit(1)

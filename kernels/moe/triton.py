@@ -26,9 +26,12 @@ Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scatter
   shared expert on cuBLAS. A grid sized for the worst case skips blocks past the padded total.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
-every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies it in registers,
-to the GEMV's products or to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3);
-fp32 accumulation everywhere. The prefill's shared expert dequantizes on the torch path (cuBLAS).
+on the tiled paths every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies
+it to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3). The M = 1 GEMVs load
+BLOCK_K columns per step (a multiple of 128, or a divisor) at once and apply one scale per row per 128-column
+sub-step to that sub-step's summed products, so a step keeps BLOCK_K columns of loads in flight (one round trip per
+128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one [BLOCK_N, Is] tile, take
+a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes on the torch path.
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, weight dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
@@ -58,10 +61,13 @@ DEFAULT_CONFIGS = {
         "up": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
         "down": {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
     },
-    "gemv_fp8": {  # M = 1 with fp8 experts: BLOCK_K = 128, one scale per row per step; same bytes per tile
+    # M = 1 with fp8 experts: the bytes per program of the bf16 GEMV's tuned H200 entry (up 8 rows x 512 columns x
+    # 2 B, down 8 experts x 4 rows x 256 columns x 2 B) as twice the columns at 1 B, so the same grid; a step's
+    # BLOCK_K columns load at once and take one scale per 128 (_up_gemv_fp8)
+    "gemv_fp8": {
         "BLOCK_M": 1,
-        "up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
-        "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        "up": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2},
+        "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2},
     },
     "decode": {
         "BLOCK_M": 16,
@@ -103,7 +109,9 @@ def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
 
 def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale) -> tuple:
     """(EXPERTS_FP8, SHARED_FP8) of the weights, checked: each fp8 weight has its [..., N, ceil(K / 128)] fp32
-    scale, w13 and w2 agree, and every K step of the config lies in one scale block (BLOCK_K <= 128)."""
+    scale, w13 and w2 agree, and the config's K steps fit the scale blocks: on the tiled (tl.dot) paths each step
+    lies in one block (BLOCK_K <= 128); the GEMV (BLOCK_M == 1) splits a step into 128-column sub-steps, so its
+    BLOCK_K divides 128 or is a multiple of it."""
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("moe: w13 and w2 are fp8 together (both scales) or not at all")
     pairs = {"w13": (w13, w13_scale), "w2": (w2, w2_scale), "shared_down": (shared_down_proj, shared_down_scale)}
@@ -119,8 +127,17 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
         if scale is None and w.dtype == FP8:
             raise ValueError(f"moe: {name} is float8_e4m3fn but has no scale")
     fp8 = w13_scale is not None, shared_down_scale is not None
-    if any(fp8) and max(config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]) > SCALE_BLOCK_K:
-        raise ValueError(f"moe config: fp8 weights need BLOCK_K <= {SCALE_BLOCK_K} (one scale per step): {config}")
+    steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
+    if any(fp8) and config["BLOCK_M"] > 1 and max(steps) > SCALE_BLOCK_K:
+        raise ValueError(
+            f"moe config: fp8 weights on the tiled path (BLOCK_M > 1) need BLOCK_K <= {SCALE_BLOCK_K} "
+            f"(one scale per step): {config}"
+        )
+    if any(fp8) and any(k % SCALE_BLOCK_K and SCALE_BLOCK_K % k for k in steps):
+        raise ValueError(
+            f"moe config: fp8 weights need BLOCK_K dividing {SCALE_BLOCK_K} or a multiple of it "
+            f"(whole scale blocks per sub-step): {config}"
+        )
     return fp8
 
 
@@ -555,15 +572,81 @@ def moe_block_decode(
 
 
 @triton.jit
+def _up_gemv_fp8(
+    x_ptr, gate_rows, s_gate, up_offset, s_up_offset, H,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """x @ gate^T and x @ up^T over fp8 rows (gate_rows [BLOCK_N] pointers at column 0, up rows up_offset further;
+    s_gate [BLOCK_N] their scales at K block 0, the up rows' s_up_offset further) -> (gate, up) [BLOCK_N] fp32.
+    A step loads BLOCK_K columns at once (one memory round trip) and applies the scales per sub-step of SUB_K =
+    min(BLOCK_K, 128) columns, each inside one scale block: the product [BLOCK_N, BLOCK_K] reshaped to
+    [BLOCK_N, BLOCK_K / SUB_K, SUB_K] and summed per sub-step before its row scale. One 128-column step per
+    iteration (BLOCK_K <= 128) is one round trip per 128 bytes per row: 2-2.8x slower in linear's fp8 GEMV.
+    A reshape rather than linear's unrolled static_range: compiled for sm_90, the unrolled sub-steps issued later
+    sub-steps' loads after earlier ones' conversions; the one wide load issues them all first."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        cols = k0 + offs_k
+        w_ptrs = gate_rows[:, None] + cols[None, :]  # [BLOCK_N, BLOCK_K]
+        if EVEN_K:
+            gate = tl.load(w_ptrs)
+            up = tl.load(w_ptrs + up_offset)
+            x = tl.load(x_ptr + cols)
+        else:
+            k_mask = cols < H
+            gate = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            up = tl.load(w_ptrs + up_offset, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
+        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past H
+        s_ptrs = s_gate[:, None] + blocks[None, :]  # [BLOCK_N, BLOCK_K / SUB_K]
+        scale_gate = tl.load(s_ptrs, mask=(blocks * 128 < H)[None, :], other=0.0)
+        scale_up = tl.load(s_ptrs + s_up_offset, mask=(blocks * 128 < H)[None, :], other=0.0)
+        x = x.to(tl.float32)[None, :]
+        prod_gate = tl.reshape(gate.to(tl.float32) * x, (BLOCK_N, BLOCK_K // SUB_K, SUB_K))
+        prod_up = tl.reshape(up.to(tl.float32) * x, (BLOCK_N, BLOCK_K // SUB_K, SUB_K))
+        acc_gate += tl.sum(prod_gate, 2) * scale_gate
+        acc_up += tl.sum(prod_up, 2) * scale_up
+    return tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+
+
+@triton.jit
+def _down_gemv_fp8(
+    h_ptr, w_ptrs, w_scales, offs_top, top_mask, I,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+):  # fmt: skip
+    """w2[e_k][rows] @ h[k] for every k over fp8 rows (w_ptrs [TOP, N, 1] at column 0, w_scales [TOP, N] at K
+    block 0) -> [TOP, N] fp32, stepped like _up_gemv_fp8: the [TOP, N, BLOCK_K] tile in one load, its product
+    summed per SUB_K-column sub-step before the sub-step's [TOP, N] scales."""
+    acc = tl.zeros((offs_top.shape[0], BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+        a = tl.load(
+            h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past I
+        s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
+        scale = tl.load(w_scales[:, :, None] + blocks[None, None, :], mask=s_mask, other=0.0)  # [TOP, N, K / SUB]
+        prod = w.to(tl.float32) * a.to(tl.float32)[:, None, :]  # [TOP, N, BLOCK_K]
+        prod = tl.reshape(prod, (offs_top.shape[0], BLOCK_N, BLOCK_K // SUB_K, SUB_K))
+        acc += tl.sum(tl.sum(prod, 3) * scale, 2)
+    return acc
+
+
+@triton.jit
 def _moe_up_gemv_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EXPERTS_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
-    reduction after the loop. Every program ranks the E logits itself (no launch for routing)."""
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
+    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns)."""
     allow_dependents(PDL)
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
@@ -575,36 +658,37 @@ def _moe_up_gemv_kernel(
         tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
     expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
-    gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    kb = tl.cdiv(H, 128)
-    s_gate = w13_s_ptr + expert.to(tl.int64) * (2 * I * kb) + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]
-    x_ptrs = x_ptr + offs_k
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            gate = tl.load(gate_ptrs)
-            up = tl.load(gate_ptrs + I * H)
-            x = tl.load(x_ptrs)
-        else:
-            k_mask = k0 + offs_k < H
-            gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
-            up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-        x = x.to(tl.float32)[None, :]
-        if EXPERTS_FP8:  # BLOCK_K <= 128: the step is in scale block k0 // 128
-            acc_gate += (gate.to(tl.float32) * x) * tl.load(s_gate + k0 // 128)[:, None]
-            acc_up += (up.to(tl.float32) * x) * tl.load(s_gate + I * kb + k0 // 128)[:, None]
-        else:
+    if EXPERTS_FP8:
+        kb = tl.cdiv(H, 128)
+        s_gate = w13_s_ptr + expert.to(tl.int64) * (2 * I * kb) + tl.minimum(offs_n, I - 1).to(tl.int64) * kb
+        gate_rows = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows  # [BLOCK_N]; up rows are I further
+        gate, up = _up_gemv_fp8(x_ptr, gate_rows, s_gate, I * H, I * kb, H, BLOCK_N, BLOCK_K, SUB_K, EVEN_K)
+        h = gate * tl.sigmoid(gate) * up
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_ptr + offs_k
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                gate = tl.load(gate_ptrs)
+                up = tl.load(gate_ptrs + I * H)
+                x = tl.load(x_ptrs)
+            else:
+                k_mask = k0 + offs_k < H
+                gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+                up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            x = x.to(tl.float32)[None, :]
             acc_gate += gate.to(tl.float32) * x
             acc_up += up.to(tl.float32) * x
-        gate_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
-    h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
+            gate_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
+        h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
@@ -613,7 +697,8 @@ def _moe_down_gemv_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
     w2_s_ptr, sd_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, PDL: tl.constexpr,
+    SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
@@ -635,21 +720,19 @@ def _moe_down_gemv_kernel(
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
-    kb_i = tl.cdiv(I, 128)
-    w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
-    acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < I
-        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
-        a = tl.load(
-            h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        if EXPERTS_FP8:  # BLOCK_K <= 128: one scale per (expert, row) per step; none past I
-            in_i = k0 + tl.zeros((BLOCK_N,), tl.int32) < I  # [BLOCK_N]: a tensor mask (a scalar is not portable)
-            w_scale = tl.load(w_scales + k0 // 128, mask=top_mask[:, None] & in_i[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2) * w_scale
-        else:
+    if EXPERTS_FP8:
+        kb_i = tl.cdiv(I, 128)
+        w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
+        acc = _down_gemv_fp8(h_ptr, w_ptrs, w_scales, offs_top, top_mask, I, BLOCK_N, BLOCK_K, SUB_K)
+    else:
+        acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < I
+            w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+            a = tl.load(
+                h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
+            )
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
     gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
@@ -680,12 +763,13 @@ def moe_block_gemv(
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
         x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
         TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
-        EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
+        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
         proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
-        EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
+        SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on,
+        launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]
 

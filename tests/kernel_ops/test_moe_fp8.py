@@ -54,11 +54,6 @@ FP8_SMALL = {
     "up": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
     "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
 }
-FP8_GEMV_SMALL = {
-    "BLOCK_M": 1,
-    "up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1},
-}
 F32, F16 = torch.float32, torch.float16
 # (M, H, E, I, Is, K, router, dtype, shared fp8, reason); H = 300 is scale blocks 128, 128, 44 and I = 136 is 128, 8
 DECODE_CASES = [
@@ -79,20 +74,48 @@ def test_fp8_moe_block_decode(M, H, E, I, Is, K, router, dtype, shared_fp8, reas
     assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
 
 
-# (H, E, I, Is, K, dtype, shared fp8, reason)
+def gemv_config(up_k, down_k):
+    return {
+        "BLOCK_M": 1,
+        "up": {"BLOCK_N": 16, "BLOCK_K": up_k, "num_warps": 4, "num_stages": 1},
+        "down": {"BLOCK_N": 16, "BLOCK_K": down_k, "num_warps": 4, "num_stages": 1},
+    }
+
+
+def nan_tailed(scale):
+    """scale in a buffer that continues with NaN: a scale read past its end (a sub-step wholly past K of the last
+    expert's last row) poisons the output instead of reading whatever follows in memory."""
+    buf = torch.full((scale.numel() + 4096,), float("nan"), device=scale.device)
+    buf[: scale.numel()] = scale.flatten()
+    return buf[: scale.numel()].view(scale.shape)
+
+
+LAST = same_experts([7, 2])  # the last of 8 experts is routed: its last rows' scales end the scale tensors
+# (H, E, I, Is, K, up BLOCK_K, down BLOCK_K, router, dtype, shared fp8, reason); the weights' K block 1 is 30x block 0
 GEMV_CASES = [
-    (300, 8, 136, 40, 2, F32, True, "GEMV: H and I over several scale blocks with tails, the shared loop ends first"),
-    (256, 5, 40, 200, 5, F16, False, "GEMV: K = E, Is > I: the down loop runs past I (expert scales masked there)"),
+    (300, 8, 136, 40, 2, 64, 64, None, F32, True, "BLOCK_K 64: H and I over several scale blocks with tails"),
+    (256, 5, 40, 200, 5, 64, 64, None, F16, False, "BLOCK_K 64: K = E, Is > I: the down loop runs past I"),
+    (300, 8, 136, 40, 2, 128, 128, LAST, F32, True, "BLOCK_K 128: 3 steps along H, 2 along I, both with tails"),
+    (300, 8, 136, 40, 2, 256, 256, LAST, F16, False, "BLOCK_K 256: H's last step has a sub-step wholly past H"),
+    (512, 8, 384, 136, 2, 256, 256, LAST, F32, True, "BLOCK_K 256 dividing H (EVEN_K); I's second step half past I"),
+    (300, 8, 136, 200, 3, 512, 512, LAST, F32, False, "BLOCK_K 512: one step per row, H and I end mid step"),
+    (512, 8, 256, 40, 2, 512, 256, None, F16, True, "BLOCK_K 512 = H: 4 sub-steps in one EVEN_K step"),
 ]
 
 
 @pytest.mark.parametrize(
-    "H,E,I,Is,K,dtype,shared_fp8,reason", GEMV_CASES, ids=[c[-1].split(":")[1] for c in GEMV_CASES]
+    "H,E,I,Is,K,up_k,down_k,router,dtype,shared_fp8,reason", GEMV_CASES, ids=[c[-1] for c in GEMV_CASES]
 )
-def test_fp8_moe_block_gemv(H, E, I, Is, K, dtype, shared_fp8, reason):
-    args, scales = fp8_block_args(1, H, E, I, Is, dtype, shared_fp8, seed=H)
-    scratch = decode_poisoned(args[0], I, K, FP8_GEMV_SMALL)
-    out = moe.moe_block_decode(*args, K, FP8_GEMV_SMALL, scratch, *scales)
+def test_fp8_moe_block_gemv(H, E, I, Is, K, up_k, down_k, router, dtype, shared_fp8, reason):
+    """M = 1 on the GEMV kernels: each BLOCK_K step loads its columns at once and scales each 128-column sub-step
+    by its own block's scale. Kills: one scale for every sub-step of a step (block 1 is 30x block 0), a scale
+    index that restarts each step, a dropped K mask on the tail (the next row's weights), a scale read past K
+    (nan_tailed: the last expert's last rows read NaN), scratch a kernel forgets to write (NaN)."""
+    args, scales = fp8_block_args(1, H, E, I, Is, dtype, shared_fp8, router, seed=H + up_k)
+    scales = tuple(None if s is None else nan_tailed(s) for s in scales)
+    config = gemv_config(up_k, down_k)
+    scratch = decode_poisoned(args[0], I, K, config)
+    out = moe.moe_block_decode(*args, K, config, scratch, *scales)
     assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
 
 
@@ -112,7 +135,8 @@ def test_fp8_fused_moe_sorted(dtype):
 
 @pytest.mark.parametrize("M", [1, 3, 65], ids=["M1 gemv_fp8", "M3 decode", "M65 prefill"])
 def test_fp8_moe_block_default_configs(M):
-    """The public op with its default configs (fp8 GEMV: BLOCK_K 128), and the torch reference given fp8 weights."""
+    """The public op with its default configs (fp8 GEMV: BLOCK_K 1024 up, 512 down, past H = 300 and I = 136),
+    and the torch reference given fp8 weights."""
     args, scales = fp8_block_args(M, 300, 6, 136, 40, torch.float32, shared_fp8=True, seed=M)
     ref = reference(args, scales, 2)
     assert rel_err(moe.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
@@ -127,8 +151,12 @@ def test_fp8_scales_and_configs_are_checked():
         moe.moe_block_decode(*args, 2, None, None, s13, s2, None)
     with pytest.raises(ValueError, match=r"w2 with a scale must be .* float32 scale \[6, 300, 2\]"):
         moe.moe_block_decode(*args, 2, None, None, s13, s2[..., :1], s_shared)
-    with pytest.raises(ValueError, match=r"fp8 weights need BLOCK_K <= 128"):
-        moe.moe_block_decode(*args, 2, moe.DEFAULT_CONFIGS["gemv"], None, s13, s2, s_shared)
+    # the tiled path's tl.dot steps lie inside one scale block; only the GEMV splits a step into sub-steps
+    wide_dot = {**FP8_SMALL, "up": {**FP8_SMALL["up"], "BLOCK_K": 256}}
+    with pytest.raises(ValueError, match=r"tiled path \(BLOCK_M > 1\) need BLOCK_K <= 128"):
+        moe.moe_block_decode(*args, 2, wide_dot, None, s13, s2, s_shared)
+    with pytest.raises(ValueError, match=r"need BLOCK_K dividing 128 or a multiple of it"):
+        moe.moe_block_decode(*args, 2, gemv_config(128, 96), None, s13, s2, s_shared)
 
 
 @pytest.mark.gpu
@@ -153,3 +181,28 @@ def test_fp8_moe_block_gpu_35b(M, shared_fp8):
     ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
     assert rel_err(out, ref) < 2e-2
     assert torch.equal(moe.moe_block(*args, K, *scales), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("up_k,down_k", [(128, 128), (512, 256), (1024, 512), (2048, 1024)])
+@pytest.mark.parametrize("H,I", [(2048, 512), (1856, 544)], ids=["35B H and I", "tails"])
+def test_fp8_moe_gemv_gpu_wide_steps(H, I, up_k, down_k):
+    """The M = 1 GEMV compiled for the GPU (bf16 activations) with the sweep's BLOCK_K range, at the 35B H and I and
+    with 16-aligned tails (H = 14.5 and I = 4.25 scale blocks: for BLOCK_K >= 256 the last step has sub-steps wholly
+    past them), NaN scratch and NaN-tailed scales."""
+    E, Is, K = 64, 512, 8
+    gen = torch.Generator(device="cuda").manual_seed(H + up_k)
+    x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5)
+    shared, s_shared = quantize_rows(torch.randn(H, Is, device="cuda", generator=gen) / Is**0.5)
+    proj = torch.randn(1, E + 2 * Is + 1, device="cuda", generator=gen).bfloat16()
+    proj[:, E - 1] = 10.0  # the last expert is routed: its last rows' scale reads end the scale tensors
+    args, scales = (x, proj, w13, w2, shared), tuple(nan_tailed(s) for s in (s13, s2, s_shared))
+    config = gemv_config(up_k, down_k)
+    out = moe.moe_block_decode(*args, K, config, decode_poisoned(x, I, K, config), *scales)
+    f32 = torch.float32
+    ref = naive.moe_block(
+        x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), dequantize(shared, s_shared), K
+    )
+    assert rel_err(out, ref) < 2e-2
