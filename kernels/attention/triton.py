@@ -111,20 +111,6 @@ def _prefill_norm_rope_kernel(
 
 
 @triton.jit
-def _attend_tile(q, k, v, n, last, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over the key tile k, v [BLOCK_N, BLOCK_D] at positions n (keys >= last masked)
-    -> the new running (max, sum, acc) of the [BLOCK_G] query heads, in log2 units."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-    s = tl.where((n < last)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l, acc
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
     o_part_ptr, lse_part_ptr, arrivals_ptr, out_ptr, eps, scale_log2,
@@ -135,28 +121,18 @@ def _decode_kernel(
     REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
+    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the PDL wait: the position and the split's first tile of cached keys < pos. Both were written before
-    # this forward's first layer (positions) or by earlier forwards (the cache), and a forward begins with
-    # non-PDL launches (embedding, positions), which wait for everything before them.
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
-    last = tl.minimum(end, pos)  # keys start .. last - 1 come from the cache
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
-    v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
-    n_first = start + tl.arange(0, BLOCK_N)
-    first_ok = (n_first < last)[:, None] & d_ok[None, :]
-    k_first = tl.load(k_cache_row + n_first[:, None] * stride_kcs + d[None, :], mask=first_ok, other=0.0)
-    v_first = tl.load(v_cache_row + n_first[:, None] * stride_vcs + d[None, :], mask=first_ok, other=0.0)
-    wait_for_producers(PDL)
     if start <= pos:  # splits past the row's context compute nothing (the merge skips them) but still arrive
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
         g = tl.arange(0, BLOCK_G)
         q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
         g_ok = g < G
@@ -169,6 +145,8 @@ def _decode_kernel(
         k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
         v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
+        v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
         if end == pos + 1:  # this split owns key `pos`: write the new K/V into the cache
             tl.store(k_cache_row + pos * stride_kcs + d, k_new, mask=d_ok)
             tl.store(v_cache_row + pos * stride_vcs + d, v_new, mask=d_ok)
@@ -181,14 +159,20 @@ def _decode_kernel(
         m = tl.where(owns_new, s_new, float("-inf"))
         l = tl.where(owns_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = l[:, None] * v_new.to(tl.float32)[None, :]  # [BLOCK_G, BLOCK_D]
-        if start < last:
-            m, l, acc = _attend_tile(q, k_first, v_first, n_first, last, m, l, acc, scale_log2, DOT_PRECISION)
-        for n0 in range(start + BLOCK_N, last, BLOCK_N):
+        last = tl.minimum(end, pos)  # keys start .. last - 1 from the cache
+        for n0 in range(start, last, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             old = (n < last)[:, None] & d_ok[None, :]
             k = tl.load(k_cache_row + n[:, None] * stride_kcs + d[None, :], mask=old, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache_row + n[:, None] * stride_vcs + d[None, :], mask=old, other=0.0)
-            m, l, acc = _attend_tile(q, k, v, n, last, m, l, acc, scale_log2, DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
+            s = tl.where((n < last)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
         part = (b * HQ + q_heads) * NUM_SPLITS + split  # [BLOCK_G] rows of o_part [B, HQ, NUM_SPLITS, D]
         tl.store(o_part_ptr + part[:, None] * D + d[None, :], acc / l[:, None], mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_part_ptr + part, m + tl.log2(l), mask=g_ok)
