@@ -187,7 +187,7 @@ def kernel_parts(trace_path: Path) -> dict:
 
 
 @torch.no_grad()
-def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
+def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict, name: str = "profile_decode") -> dict:
     """One eager decode step (forward + greedy sample) on `groups`, profiled: CUDA kernels per step and GPU
     time, bytes and GB/s per part (results/profile_decode.{txt,json}); plus host µs per op call of each group
     over a few unprofiled steps. On CPU (smoke) only the host side. The profiled step launches without PDL
@@ -258,8 +258,8 @@ def profile_decode(model, prompt_len: int, out_dir: Path, groups: dict) -> dict:
             gbs = f"{p['gbs']:.0f}" if p["gbs"] else "-"
             lines.append(f"{part:<30} {p['kernels']:>7} {p['us']:>9.1f} {mb:>9} {gbs:>7}")
         lines.append(f"{'total':<30} {result['launches_per_step']:>7} {result['gpu_us_per_step']:>9.1f}")
-        (out_dir / "profile_decode.txt").write_text("\n".join(lines) + "\n\n" + table)
-        (out_dir / "profile_decode.json").write_text(json.dumps(result, indent=2))
+        (out_dir / f"{name}.txt").write_text("\n".join(lines) + "\n\n" + table)
+        (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     model.ops = saved
     return result
 
@@ -280,6 +280,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU with the host runner")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--profile-only", action="store_true", help="only the profiled decode step")
+    parser.add_argument("--weights", default="auto", choices=("auto", "fp8"),
+                        help="with --profile-only: profile the FP8 model (results/profile_decode_fp8.*)")  # fmt: skip
     args = parser.parse_args()
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -293,7 +295,7 @@ def main():
     t0 = time.time()
     ceil = ceilings(device)
 
-    base = config(*model_args)
+    base = config(*model_args, f"model.weights={args.weights}")
     model = get_model(base, validate(base), progress=False).model
     L = model.config.num_hidden_layers
     active_bytes = active_weight_bytes(model.config, model.dtype)
@@ -304,7 +306,8 @@ def main():
     extra: dict = {"weights": weight_memory(model)}
     if args.profile_only:
         model.setup_caches(1, validate(base).max_seq_len)
-        prof = profile_decode(model, prompts[0], out_dir, groups)
+        name = "profile_decode" + ("_fp8" if args.weights == "fp8" else "")
+        prof = profile_decode(model, prompts[0], out_dir, groups, name)
         for part, p in prof.get("parts", {}).items():
             print(f"gpu  {part:<30} {p['kernels']:>4} kernels {p['us']:>8.1f} us")
         print(f"kernels per step {prof.get('launches_per_step')}, GPU us per step {prof.get('gpu_us_per_step')}")

@@ -19,6 +19,7 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
 (ms per step). The step reads its 5.9 GB of active weights from HBM every replay (50 MB of L2).
 
     PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
+        [--weights fp8 --skip-descent --out results/tune_decode_loop_fp8.json]
 """
 
 import argparse
@@ -181,14 +182,17 @@ def main():
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--write-tables", action="store_true")
     parser.add_argument("--skip-descent", action="store_true")
+    fp8_help = "fp8: the parts of the FP8 model's step (no descent: its candidates are bf16 entries)"
+    parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help=fp8_help)
     args = parser.parse_args()
     t0 = time.time()
     ceil = ceilings("cuda")
-    cfg = config("model=qwen35_moe")
+    cfg = config("model=qwen35_moe", f"model.weights={args.weights}")
     model = get_model(cfg, validate(cfg), progress=False).model
     model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
     model.setup_caches(1, PROMPT_POS + 16)
-    floor_ms = active_weight_bytes(model.config, model.dtype) / (ceil["copy_gbs"] * 1e9) * 1e3
+    fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    floor_ms = active_weight_bytes(model.config, model.dtype, fp8) / (ceil["copy_gbs"] * 1e9) * 1e3
     out = dict(ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, replays=args.replays)
 
     def save():
@@ -207,7 +211,7 @@ def main():
     out["parts_ms"] = parts
     out["part_cost_ms"] = {p: parts["none"] - ms for p, ms in parts.items() if p not in ("none", "pdl_off")}
     save()
-    if args.skip_descent:
+    if args.skip_descent or args.weights == "fp8":
         return
     H, cfg_m = model.config.hidden_size, model.config
     E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
