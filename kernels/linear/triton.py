@@ -56,6 +56,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 REDUCE_BLOCK = 1024
+# columns per step of the fused norm's row statistics: its own step, not BLOCK_K (a 128-column fp8 step made the
+# rstd 16 dependent L2 round trips at K = 2048: the FP8 model's projections ran 2x slower in the loop than bf16)
+MAX_NORM_BLOCK = 2048
 # M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
@@ -135,7 +138,7 @@ def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: 
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, ACT_FP8=act_fp8,
-        SUB_K=min(bk, SCALE_BLOCK_K),
+        SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(triton.next_power_of_2(K), MAX_NORM_BLOCK),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
@@ -158,12 +161,12 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K: tl.constexpr):
+def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK: tl.constexpr):
     """rsqrt(mean(h^2) + eps) of rows [R] of h = x + residual (rounded to x's dtype as the norm kernel rounds it)
     -> [R] fp32. The whole row is read by every program (K of a few thousand: from L2)."""
-    acc = tl.zeros((rows.shape[0], BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros((rows.shape[0], NORM_BLOCK), tl.float32)
+    for k0 in range(0, K, NORM_BLOCK):
+        offs = k0 + tl.arange(0, NORM_BLOCK)
         m = row_mask[:, None] & (offs < K)[None, :]
         h = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=m, other=0.0)
         r = tl.load(res_ptr + rows[:, None] * stride_rm + offs[None, :], mask=m, other=0.0)
@@ -193,7 +196,8 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask,
 @triton.jit
 def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, w_rows, k_start,
                  k_end, K, stride_xm, stride_rm, eps, write_normed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SUB_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 SUB_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
     """The GEMV over fp8 weights -> [BLOCK_N] fp32: each BLOCK_K step is BLOCK_K / SUB_K unrolled sub-steps of
     SUB_K = min(BLOCK_K, 128) columns, each inside one scale block with its own [BLOCK_N] row scale. On the H200
     the tables hold 128-column steps over 16-32 rows with 8 warps (bench_fp8's sweep at addd9c0: 2.1-2.8x faster
@@ -201,7 +205,7 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     experiments/fp8_gemv_probe.py): enough rows per program keep the loads in flight."""
     wait_for_producers(PDL)
     if NORM:
-        rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
+        rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
     c = tl.arange(0, SUB_K)
     acc = tl.zeros((BLOCK_N, SUB_K), tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
@@ -231,7 +235,7 @@ def _linear_kernel(
     res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACT_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    SUB_K: tl.constexpr,
+    SUB_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
@@ -260,7 +264,7 @@ def _linear_kernel(
     if BLOCK_M == 1 and SCALED:
         out = _scaled_gemv(
             x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, w_rows, k_start, k_end, K,
-            stride_xm, stride_rm, eps, write_normed, BLOCK_N, BLOCK_K, SUB_K, EVEN_K, NORM, PDL,
+            stride_xm, stride_rm, eps, write_normed, BLOCK_N, BLOCK_K, SUB_K, EVEN_K, NORM, NORM_BLOCK, PDL,
         )  # fmt: skip
         offs_out = pid_m * N + offs_n
         mask = offs_n < N
@@ -276,7 +280,7 @@ def _linear_kernel(
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
         wait_for_producers(PDL)
         if NORM:
-            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, BLOCK_K)
+            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
             x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, offs_k, K,
                              stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
         elif EVEN_K:

@@ -162,6 +162,7 @@ NORM_CASES = [
     (1, 37, 53, config(1, 8, 16), "GEMV, primes: the rstd loop and every K block end in a tail"),
     (1, 29, 100, config(1, 4, 16, SPLIT_K=3), "GEMV split-K: each split writes its K range of normed and hidden"),
     (3, 24, 64, config(1, 8, 32), "GEMV path at M = 3: every row its own rstd"),
+    (1, 5, lin.MAX_NORM_BLOCK + 52, config(1, 4, 128), "K > MAX_NORM_BLOCK: the rstd in two steps, one a tail"),
 ]
 
 
