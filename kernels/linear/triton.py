@@ -194,38 +194,61 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask,
 
 
 @triton.jit
+def _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm, rstd,
+            write_normed, EVEN_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    """The [R, len(cols)] tile of the GEMV's input: x, or with NORM rms_norm(x + residual) (_normed_tile)."""
+    if NORM:
+        x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm,
+                         stride_rm, rstd, write_normed)  # fmt: skip
+    elif EVEN_K:
+        x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :])
+    else:
+        x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _scaled_step(w, x, s_ptrs, k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    """The fp8 tile w [BLOCK_N, BLOCK_K] at columns k.. times x [1, BLOCK_K] -> [BLOCK_N, BLOCK_K / SUB_K] fp32:
+    the products summed per SUB_K-column sub-step, each inside one scale block, times its row scale."""
+    blocks = k // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past K
+    scale = tl.load(s_ptrs[:, None] + blocks[None, :], mask=(blocks * 128 < K)[None, :], other=0.0)
+    prod = w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    return tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SUB_K, SUB_K)), 2) * scale
+
+
+@triton.jit
 def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, w_rows, k_start,
                  k_end, K, stride_xm, stride_rm, eps, write_normed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SUB_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
                  PDL: tl.constexpr):  # fmt: skip
-    """The GEMV over fp8 weights -> [BLOCK_N] fp32: each BLOCK_K step is BLOCK_K / SUB_K unrolled sub-steps of
-    SUB_K = min(BLOCK_K, 128) columns, each inside one scale block with its own [BLOCK_N] row scale. On the H200
-    the tables hold 128-column steps over 16-32 rows with 8 warps (bench_fp8's sweep at addd9c0: 2.1-2.8x faster
-    than 512-column steps of 8 rows with 4 warps, which had beaten 128-column steps of 4 rows in
-    experiments/fp8_gemv_probe.py): enough rows per program keep the loads in flight."""
+    """The GEMV over fp8 weights -> [BLOCK_N] fp32: each BLOCK_K step loads its [BLOCK_N, BLOCK_K] tile at once
+    and applies one row scale per SUB_K = min(BLOCK_K, 128) columns to that sub-step's summed products (the
+    product reshaped to [BLOCK_N, BLOCK_K / SUB_K, SUB_K]), so a step is one memory round trip. Unrolled
+    sub-steps (tl.static_range) compiled for sm_90 issued a later sub-step's loads after an earlier one's math.
+    The first step's weights load before the PDL wait, as in the bf16 GEMV."""
+    c = tl.arange(0, BLOCK_K)
+    cols = k_start + c  # k_end is a multiple of BLOCK_K or K, so only K masks
+    if EVEN_K:
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     wait_for_producers(PDL)
+    rstd = 0.0
     if NORM:
         rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
-    c = tl.arange(0, SUB_K)
-    acc = tl.zeros((BLOCK_N, SUB_K), tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        for u in tl.static_range(BLOCK_K // SUB_K):
-            cols = k + u * SUB_K + c  # [SUB_K]; k_end is a multiple of BLOCK_K or K, so only K masks
-            k_mask = (cols < K)[None, :]
-            if EVEN_K:
-                w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
-            else:
-                w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=k_mask, other=0.0)
-            if NORM:
-                x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K,
-                                 stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
-            elif EVEN_K:
-                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :])
-            else:
-                x = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :], mask=k_mask, other=0.0)
-            block = k + u * SUB_K + tl.zeros((BLOCK_N,), tl.int32)  # a tensor mask: no scale past K
-            scale = tl.load(s_ptrs + block // 128, mask=block < K, other=0.0)
-            acc += (w.to(tl.float32) * x.to(tl.float32)) * scale[:, None]
+    x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
+                rstd, write_normed, EVEN_K, NORM)  # fmt: skip
+    acc = _scaled_step(w, x, s_ptrs, k_start, K, BLOCK_N, BLOCK_K, SUB_K)  # [BLOCK_N, BLOCK_K / SUB_K]
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        cols = k + c
+        if EVEN_K:
+            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
+        else:
+            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+        x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
+                    rstd, write_normed, EVEN_K, NORM)  # fmt: skip
+        acc += _scaled_step(w, x, s_ptrs, k, K, BLOCK_N, BLOCK_K, SUB_K)
     return tl.sum(acc, axis=1)
 
 
