@@ -222,8 +222,9 @@ def bench_moe(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
     return rows
 
 
-GEMV_CANDIDATES = [(4, 128, 4), (8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 128, 8), (32, 128, 8), (16, 64, 4),
-                   (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 256, 4)]
+GEMV_NARROW = [(4, 128, 4), (8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 128, 8), (32, 128, 8), (16, 64, 4)]
+GEMV_WIDE = [(4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 256, 4)]
+GEMV_CANDIDATES = GEMV_NARROW + GEMV_WIDE  # (BLOCK_N, BLOCK_K, num_warps)
 # M = 1 FP8 MoE GEMV tiles (BLOCK_N, BLOCK_K, num_warps): BLOCK_K > 128 loads a step's columns at once and scales
 # each 128-column sub-step; around the default (the bf16 GEMV's bytes per program), half and double the bytes, the
 # whole 35B H in one step, and the one-scale-block step that was the default before (16 x 128, 4 x 128)
