@@ -17,8 +17,8 @@ Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS alr
 ceiling.
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
-kernel with SCALED: the GEMV cuts each BLOCK_K step into unrolled sub-steps of at most 128 columns, each inside
-one scale block with one scale per row (the H200 tables take 128-column steps of 16-32 rows); the dot path
+kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the products of each 128-column scale
+block by its row scale (the H200 tables: 1024-2048-column steps of 2-4 rows, lm_head 128 x 32); the dot path
 (BLOCK_K <= 128) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
 [BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
 (prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
@@ -83,11 +83,11 @@ def default_config(M: int, N: int, K: int, num_sms: int, fp8: bool = False) -> d
     16-byte loads each; fp8: BLOCK_K = 128, one scale block, 8192 elements) and BLOCK_N halved until there are
     >= 4 programs per SM. M > 1: a dot tile BLOCK_N = 64 halved (to 16) and then split along K until there are
     >= 2 programs per SM."""
-    if M == 1 and fp8:  # one scale block per step, 16 rows, 8 warps: bench_fp8's sweep winner at every H200 shape
-        block_k, block_n = min(128, max(16, triton.next_power_of_2(K))), 16
+    if M == 1 and fp8:  # 1024-column steps of 4 rows: bench_fp8's sweep winner at most H200 shapes (ceaa2ab)
+        block_k, block_n = min(1024, max(16, triton.next_power_of_2(K))), 4
         while block_n > 1 and triton.cdiv(N, block_n) < 2 * num_sms:
             block_n //= 2
-        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=8, num_stages=1)
+        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
     if M == 1:
         block_k = min(512, max(16, triton.next_power_of_2(K)))
         block_n = max(1, 4096 // block_k)
