@@ -171,3 +171,36 @@ def test_exported_decode_launches_as_eager(counter):
             step(tokens, pos)
         totals.append(sum(counter.counts.values()))
     assert totals[0] == totals[1], totals
+
+
+@torch.no_grad()
+def test_decode_loop_tuner_parts_launch_nothing(counter):
+    """experiments/tune_decode_loop.py costs a part as step - step without it: each part's stand-in must launch
+    nothing (a zero buffer made once, or a view), and every other group must launch exactly what it launches in the
+    full step ("dense" keeps lm_head), or the difference charges the part with the wrong kernels."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+    from tune_decode_loop import without
+
+    cfg = tiny_config()
+    model = build_model(cfg, torch.float16, "cpu", seed=1)
+    model.set_kernels(TRITON_KERNELS, greedy=True)
+    model.setup_caches(1, 16)
+    full, token, args = model.ops, torch.tensor([[5]]), sampling_args(1)
+
+    def launches(ops) -> Counter:
+        model.ops = {group: Grouped(group, module, counter) for group, module in ops.items()}
+        model.sample(model(token, torch.tensor([1])), *args)  # the first call makes the zero buffers
+        counter.counts.clear()
+        with counter:
+            model.sample(model(token, torch.tensor([2])), *args)
+        return +Counter(counter.counts)
+
+    all_groups = launches(full)
+    for part in ("moe", "gdn", "attention", "dense", "sampling"):
+        group = {"dense": "linear"}.get(part, part)
+        expected = Counter({g: n for g, n in all_groups.items() if g != group})
+        if part == "dense":
+            expected["linear"] = PER_STEP["linear"]  # lm_head
+        assert launches(without(model, full, part)) == +expected, part
