@@ -612,6 +612,17 @@ def _up_gemv_fp8(
 
 
 @triton.jit
+def _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K: tl.constexpr):
+    """K step k0 of the down GEMV: the K experts' rows [TOP, N, BLOCK_K] (w_ptrs [TOP, N, 1] at column 0) and their
+    h [TOP, BLOCK_K]; zero past I and in lanes >= TOP_K."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < I
+    w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+    a = tl.load(h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, a
+
+
+@triton.jit
 def _down_gemv_fp8(
     h_ptr, w_ptrs, w_scales, offs_top, top_mask, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
@@ -621,12 +632,7 @@ def _down_gemv_fp8(
     summed per SUB_K-column sub-step before the sub-step's [TOP, N] scales."""
     acc = tl.zeros((offs_top.shape[0], BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < I
-        w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
-        a = tl.load(
-            h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
-        )
+        w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
         blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past I
         s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
         scale = tl.load(w_scales[:, :, None] + blocks[None, None, :], mask=s_mask, other=0.0)  # [TOP, N, K / SUB]
@@ -727,12 +733,7 @@ def _moe_down_gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < I
-            w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
-            a = tl.load(
-                h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0
-            )
+            w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
     gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
