@@ -14,8 +14,11 @@ from bench_sampling import VOCAB, make_logits
 from benchlib import write_json
 
 from kernels.sampling import triton as fused
+from qmoe.runtime.generate import sampling_tensors
+from qmoe.settings import SamplingSettings
 
 SHAPES = ("llm", "flat", "peaked", "ties", "zipf", "masked")
+TARGET = SamplingSettings(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=0)  # bench_sampling's target mode
 
 
 def profile_call(logits, params) -> dict:
@@ -42,14 +45,8 @@ def main():
     for B in (1, 256):
         for shape in SHAPES:
             logits = make_logits(B, VOCAB, shape, torch.float32, "cuda", seed=0)
-            params = (
-                torch.ones(B, device="cuda"),
-                torch.full((B,), 50, dtype=torch.long, device="cuda"),
-                torch.full((B,), 0.9, device="cuda"),
-                torch.zeros(B, device="cuda"),
-                torch.zeros(B, dtype=torch.long, device="cuda"),
-                torch.zeros(B, dtype=torch.long, device="cuda"),
-            )
+            step = torch.zeros(B, dtype=torch.long, device="cuda")
+            params = (*sampling_tensors(TARGET, B, "cuda").values(), step)
             kernels = profile_call(logits, params)
             total = sum(us for _, us in kernels.values())
             rows.append({"B": B, "shape": shape, "total_us": total, "kernels": kernels})

@@ -25,21 +25,22 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 from bench_e2e import TRITON_GROUPS, config
-from benchlib import ceilings, write_json
+from benchlib import ceilings, event_median_us, write_json
 
 from kernels.linear import triton as linear_triton
 from kernels.moe import triton as moe_triton
 from kernels.tuned import gpu_config_path
 from qmoe.app import get_model
 from qmoe.metrics.measure import active_weight_bytes
-from qmoe.settings import validate
+from qmoe.runtime.generate import sampling_tensors
+from qmoe.settings import SamplingSettings, validate
 
 PROMPT_POS = 128
+GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 # M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages); the table's entry is always measured first
 GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2)],
@@ -111,12 +112,11 @@ def step_ms(model, replays: int) -> float:
     device = model.device
     tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
     input_pos = torch.full((1,), PROMPT_POS, dtype=torch.long, device=device)
-    ints = lambda: torch.zeros(1, dtype=torch.long, device=device)  # noqa: E731
-    params = (torch.zeros(1, device=device), ints(), torch.ones(1, device=device), torch.zeros(1, device=device))
-    params += (ints(), ints())  # temperature 0 (greedy), top-k, top-p, min-p, seed, step
+    params = sampling_tensors(GREEDY, 1, device)
+    sample_step = torch.zeros(1, dtype=torch.long, device=device)
 
     def step():
-        return model.sample(model(tokens, input_pos), *params)
+        return model.sample(model(tokens, input_pos), step=sample_step, **params)
 
     with torch.no_grad():
         for _ in range(2):
@@ -127,17 +127,7 @@ def step_ms(model, replays: int) -> float:
             step()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runs = []
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) / replays)
-    del graph
-    return statistics.median(runs)
+    return event_median_us(lambda: [graph.replay() for _ in range(replays)], 3) / replays / 1e3
 
 
 def gemv_config(c) -> dict:
