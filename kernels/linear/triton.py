@@ -56,8 +56,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 REDUCE_BLOCK = 1024
-# columns per step of the fused norm's row statistics: its own step, not BLOCK_K (a 128-column fp8 step made the
-# rstd 16 dependent L2 round trips at K = 2048: the FP8 model's projections ran 2x slower in the loop than bf16)
+# columns per step of the fused norm's row statistics: its own step, not BLOCK_K, so a narrow projection step
+# (128 fp8 columns: 16 steps at K = 2048) does not make the statistics a chain of L2 round trips
+# (measured in the loop: bf16 2.169 -> 2.162 ms, FP8 2.897 -> 2.877 ms, tune_decode_loop at 561ed5b)
 MAX_NORM_BLOCK = 2048
 # M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
@@ -208,6 +209,16 @@ def _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, co
 
 
 @triton.jit
+def _w_tile(w_ptr, w_rows, cols, K, EVEN_K: tl.constexpr):
+    """The weight tile [len(w_rows), len(cols)] (w_rows: row offsets), zero past K."""
+    if EVEN_K:
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
 def _scaled_step(w, x, s_ptrs, k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
     """The fp8 tile w [BLOCK_N, BLOCK_K] at columns k.. times x [1, BLOCK_K] -> [BLOCK_N, BLOCK_K / SUB_K] fp32:
     the products summed per SUB_K-column sub-step, each inside one scale block, times its row scale."""
@@ -229,10 +240,7 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     The first step's weights load before the PDL wait, as in the bf16 GEMV."""
     c = tl.arange(0, BLOCK_K)
     cols = k_start + c  # k_end is a multiple of BLOCK_K or K, so only K masks
-    if EVEN_K:
-        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
-    else:
-        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    w = _w_tile(w_ptr, w_rows, cols, K, EVEN_K)
     wait_for_producers(PDL)
     rstd = 0.0
     if NORM:
@@ -242,10 +250,7 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     acc = _scaled_step(w, x, s_ptrs, k_start, K, BLOCK_N, BLOCK_K, SUB_K)  # [BLOCK_N, BLOCK_K / SUB_K]
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = k + c
-        if EVEN_K:
-            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :])
-        else:
-            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+        w = _w_tile(w_ptr, w_rows, cols, K, EVEN_K)
         x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
                     rstd, write_normed, EVEN_K, NORM)  # fmt: skip
         acc += _scaled_step(w, x, s_ptrs, k, K, BLOCK_N, BLOCK_K, SUB_K)
