@@ -572,6 +572,21 @@ def moe_block_decode(
 
 
 @triton.jit
+def _up_tiles(gate_ptrs, up_offset, x_ptrs, k_mask, EVEN_K: tl.constexpr):
+    """One K step of the up GEMV: the gate rows at gate_ptrs [BLOCK_N, BLOCK_K], the up rows up_offset further
+    and x at x_ptrs [BLOCK_K]; zero where k_mask [BLOCK_K] is off (read only without EVEN_K)."""
+    if EVEN_K:
+        gate = tl.load(gate_ptrs)
+        up = tl.load(gate_ptrs + up_offset)
+        x = tl.load(x_ptrs)
+    else:
+        gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
+        up = tl.load(gate_ptrs + up_offset, mask=k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+    return gate, up, x
+
+
+@triton.jit
 def _up_gemv_fp8(
     x_ptr, gate_rows, s_gate, up_offset, s_up_offset, H,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -589,16 +604,7 @@ def _up_gemv_fp8(
     acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         cols = k0 + offs_k
-        w_ptrs = gate_rows[:, None] + cols[None, :]  # [BLOCK_N, BLOCK_K]
-        if EVEN_K:
-            gate = tl.load(w_ptrs)
-            up = tl.load(w_ptrs + up_offset)
-            x = tl.load(x_ptr + cols)
-        else:
-            k_mask = cols < H
-            gate = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            up = tl.load(w_ptrs + up_offset, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
+        gate, up, x = _up_tiles(gate_rows[:, None] + cols[None, :], up_offset, x_ptr + cols, cols < H, EVEN_K)
         blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past H
         s_ptrs = s_gate[:, None] + blocks[None, :]  # [BLOCK_N, BLOCK_K / SUB_K]
         scale_gate = tl.load(s_ptrs, mask=(blocks * 128 < H)[None, :], other=0.0)
@@ -679,15 +685,7 @@ def _moe_up_gemv_kernel(
         acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                gate = tl.load(gate_ptrs)
-                up = tl.load(gate_ptrs + I * H)
-                x = tl.load(x_ptrs)
-            else:
-                k_mask = k0 + offs_k < H
-                gate = tl.load(gate_ptrs, mask=k_mask[None, :], other=0.0)
-                up = tl.load(gate_ptrs + I * H, mask=k_mask[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            gate, up, x = _up_tiles(gate_ptrs, I * H, x_ptrs, k0 + offs_k < H, EVEN_K)
             x = x.to(tl.float32)[None, :]
             acc_gate += gate.to(tl.float32) * x
             acc_up += up.to(tl.float32) * x
