@@ -457,6 +457,22 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale
     return out
 
 
+def _cublas(x, weight, out=None) -> torch.Tensor:
+    """F.linear (into `out` when given). An output whose rows are not 16-byte aligned (N = 1281, the 35B MoE
+    in-projection) makes cuBLAS fall back to an sm75 kernel at ~80 TFLOP/s (results/profile_model_prefill.txt:
+    270 µs at 4096 tokens); the product then goes to rows padded to 16 bytes and is copied out."""
+    K, N = x.shape[-1], weight.shape[0]
+    pad = -N % (16 // x.element_size())
+    if pad == 0 or x.numel() == 0 or K == 0:
+        return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+    M = x.numel() // K
+    padded = torch.empty((M, N + pad), dtype=x.dtype, device=x.device)[:, :N]  # [M, N], rows N + pad apart
+    torch.mm(x.reshape(M, K), weight.t(), out=padded)
+    out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device) if out is None else out
+    out.view(M, N).copy_(padded)
+    return out
+
+
 def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
@@ -469,7 +485,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
         return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
         weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
-        return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+        return _cublas(x, weight, out)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale)
     return out.view(*x.shape[:-1], N)

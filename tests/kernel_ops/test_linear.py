@@ -74,6 +74,21 @@ def test_linear_default_configs(M):
         assert torch.equal(out, naive.linear(x, w))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [13, 16], ids=["rows not 16-byte aligned: padded", "aligned"])
+def test_cublas_rows_padded_to_16_bytes(N, dtype):
+    """Above MAX_M an output row of N = 13 elements is not 16-byte aligned (the 35B MoE in-projection, N = 1281):
+    the product goes through rows padded to 16 bytes, then into a contiguous result, also when `out` is given."""
+    M, K = 70, 48
+    x, w = make(M, N, K, dtype)
+    want = naive.linear(x.double(), w.double())
+    out = lin.linear(x.view(2, 35, K), w)
+    assert out.shape == (2, 35, N) and out.is_contiguous() and out.dtype == dtype
+    assert rel_err(out.view(M, N), want) < TOL[dtype]
+    given = poisoned(M, N, dtype=dtype)
+    assert lin.linear_out(x, w, given) is given and rel_err(given, want) < TOL[dtype]
+
+
 def test_non_contiguous_inputs():
     """x as a column-sliced view (row stride > K), as a K-strided view (copied), as a 3-D view whose rows do not
     collapse to one stride; weight as a row slice of a fused buffer (the model's layout) and as [N, K] with a row
