@@ -36,6 +36,7 @@ MAX_SPLITS = 64  # experiments/tune_attention.py: 64 splits of 8 warps beat 128 
 # dim 256 would need 208 KiB of shared memory with the 16-bit config, near the H200's 227 KiB.
 WIDE_ROW_BYTES = 512
 REDUCE_TILE = 8192  # elements of the [heads, splits, head dim] partial tile the last split merges per step
+NORM_ROPE_CONFIG = dict(BLOCK_T=16, num_warps=4)  # prefill q/k norm + RoPE launch (experiments/tune_prefill.py)
 
 
 @triton.jit
@@ -342,25 +343,33 @@ def decode_attention_into(
     )  # fmt: skip
 
 
-def prefill_attention_into(
-    q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, q_normed
-) -> None:
-    """Any T, two launches: q/k norm + RoPE (q into q_normed [B, T, HQ, D], k and v into the caches at positions
-    [B, T], as naive writes them), then out [B, T, HQ * D] = causal GQA attention of each query over keys 0..its
-    position, times sigmoid(gate). q, gate, k, v may be strided views (head dim contiguous)."""
+def prefill_norm_rope_into(q, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, q_normed) -> None:
+    """q/k norm + RoPE of a prompt: q into q_normed [B, T, HQ, D] (contiguous), k and v into the caches at
+    positions [B, T], as naive writes them. q, k, v may be strided views (head dim contiguous)."""
     B, T, HQ, D = q.shape
     HKV = k_cache.shape[1]
-    assert q.stride(-1) == gate.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and out.is_contiguous() and q_normed.is_contiguous()
-    block_t = 16
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q_normed.is_contiguous()
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+    block_t = NORM_ROPE_CONFIG["BLOCK_T"]
     _prefill_norm_rope_kernel[(triton.cdiv(B * T, block_t), HQ + HKV)](
         q, k, v, q_weight, k_weight, q_normed, k_cache, v_cache, positions, inv_freq, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0), positions.stride(1),
         T, B * T, HQ=HQ, D=D, HALF=inv_freq.shape[0], BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
+        num_warps=NORM_ROPE_CONFIG["num_warps"],
     )  # fmt: skip
+
+
+def prefill_attention_into(
+    q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, q_normed
+) -> None:
+    """Any T, two launches: prefill_norm_rope_into, then out [B, T, HQ * D] = causal GQA attention of each query
+    over keys 0..its position, times sigmoid(gate). q, gate, k, v may be strided views (head dim contiguous)."""
+    B, T, HQ, D = q.shape
+    HKV = k_cache.shape[1]
+    assert gate.stride(-1) == 1 and out.is_contiguous()
+    prefill_norm_rope_into(q, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, q_normed)
     config = _prefill_config(D, k_cache.dtype)
     _prefill_kernel[(triton.cdiv(T, config["BLOCK_M"]), B * HQ)](
         q_normed, gate, k_cache, v_cache, positions, out, scale * 1.4426950408889634,

@@ -25,6 +25,11 @@ from kernels.gdn.conv import causal_conv1d
 from kernels.gdn.gates import gates
 
 CHUNK = 64  # the kernels hard-code it (and its 16-token blocks) as literals
+# launch configs (experiments/tune_prefill.py sweeps them on the 35B shape): the WY kernel's warps, the state
+# kernel's value columns per program and warps, the gated norm's rows per program and warps
+WY_CONFIG = dict(num_warps=8)
+STATE_CONFIG = dict(BV=32, num_warps=8)
+NORM_CONFIG = dict(BR=16, num_warps=4)
 
 
 @triton.jit
@@ -225,7 +230,7 @@ def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) 
     _wy_kernel[(n_chunks, B * nv)](
         qkv, a, b, A_log, dt_bias, u, w, gc, q_scale, k_scale, attn, t_scratch, T, Tp, C,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), dk**-0.5,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=WY_CONFIG["num_warps"],
     )  # fmt: skip
     return dict(u=u, w=w, gc=gc, q_scale=q_scale, k_scale=k_scale, attn=attn)
 
@@ -236,7 +241,7 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
     nv, dk, dv = recurrent_state.shape[1:]
     nk = num_k_heads
     BK, BV = _blocks(dk, dv)
-    BV = min(BV, 32)  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
+    BV = min(BV, STATE_CONFIG["BV"])  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
     # 16-bit operands: the chunk loads are pipelined 3 deep (32.5 KiB of shared memory at dk = dv = 128).
     # fp32 (TF32) operands get no pipelining: 3 stages take 376.5 KiB there, 2 take 256 KiB (the H100/H200
     # limit is 227 KiB), 1 takes 72 KiB
@@ -245,7 +250,7 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
     _chunk_state_kernel[(triton.cdiv(dv, BV), B * nv)](
         qkv, wy["u"], wy["w"], wy["gc"], wy["q_scale"], wy["k_scale"], wy["attn"], recurrent_state, o,
         T, wy["u"].shape[2], C,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=8, num_stages=num_stages,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=STATE_CONFIG["num_warps"], num_stages=num_stages,
     )  # fmt: skip
     return o
 
@@ -256,11 +261,12 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     B, T, nv, dv = o.shape
     assert o.is_contiguous() and z.stride(-1) == 1
     out = torch.empty(B, T, nv * dv, dtype=o.dtype, device=o.device)
-    n_rows, BR = B * T * nv, 16
+    n_rows, BR = B * T * nv, NORM_CONFIG["BR"]
     BD = _blocks(dv, dv)[1]
     _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](
-        o, z, weight, out, n_rows, T, z.stride(0), z.stride(1), eps, NV=nv, D=dv, BR=BR, BD=BD
-    )
+        o, z, weight, out, n_rows, T, z.stride(0), z.stride(1), eps, NV=nv, D=dv, BR=BR, BD=BD,
+        num_warps=NORM_CONFIG["num_warps"],
+    )  # fmt: skip
     return out
 
 

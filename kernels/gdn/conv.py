@@ -4,6 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
+# launch config at prefill: time block x channel block (experiments/tune_prefill.py sweeps it on the 35B shape)
+CONFIG = dict(BT=16, BC=128, num_warps=4)
+
 
 @triton.jit
 def _causal_conv1d_kernel(
@@ -73,7 +76,7 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     KW = weight.shape[-1]
     assert x.stride(-1) == 1 and conv_state.is_contiguous() and weight.is_contiguous()
     out = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    BT, BC = 16, 128
+    BT, BC = CONFIG["BT"], CONFIG["BC"]
     assert BT >= KW - 1, "only the first time block reads the conv state"
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
     _causal_conv1d_kernel[grid](
@@ -89,6 +92,6 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
         KP=triton.next_power_of_2(KW - 1),
         BT=BT,
         BC=BC,
-        num_warps=4,
+        num_warps=CONFIG["num_warps"],
     )
     return out
