@@ -32,15 +32,16 @@ from kernels.tuned import gpu_config_path  # noqa: E402
 # kernels compile per M bucket (the pair and token blocks are powers of two >= M K and M).
 # M = 1 runs the GEMV kernels (BLOCK_M = 1), so its config serves only bucket 1.
 TUNE_DECODE = {1: (1,), 8: (2, 4, 8, 16), 64: (32, 64)}
-TUNE_PREFILL = {8192: (8192, 16384), 2048: (2048, 4096), 512: (128, 256, 512, 1024)}
+TUNE_PREFILL = {8192: (8192, 16384), 4096: (4096,), 2048: (2048,), 512: (128, 256, 512, 1024)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 DECODE_UP = [(16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (32, 256, 8, 3)]
 DECODE_DOWN = [(32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)]
 GEMV_UP = [(2, 1024, 4, 2), (4, 1024, 4, 2), (8, 512, 4, 2), (16, 256, 4, 3), (8, 1024, 8, 2), (16, 512, 8, 2)]
 GEMV_DOWN = [(1, 512, 4, 2), (2, 512, 4, 2), (4, 512, 4, 2), (2, 256, 4, 3), (4, 256, 4, 3), (8, 256, 8, 2)]
 PREFILL_BLOCK_M = (64, 128)
-PREFILL_UP = [(64, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3)]
-PREFILL_DOWN = [(128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
+PREFILL_UP = [(64, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
+              (256, 64, 8, 3)]  # fmt: skip
+PREFILL_DOWN = [(128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]
 
 
 def launch(c):
@@ -91,6 +92,7 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["35B", "122B"], choices=list(SHAPES))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--prefill", action="store_true", help="also re-tune the prefill buckets (M > 64)")
+    parser.add_argument("--m", type=int, nargs="+", help="tune only these M values (keys of the tuned-M tables)")
     parser.add_argument("--budget-s", type=float, default=210.0, help="stop tuning new M values after this long")
     parser.add_argument("--out", default=None, help="default: kernels/moe/configs/<gpu name>.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU (checks the script); needs --out")
@@ -103,6 +105,8 @@ def main():
         shapes, tune = SMOKE_SHAPES, {1: (1,), 5: (8,), 70: (128,)}
     else:
         shapes, tune = {n: SHAPES[n] for n in args.shapes}, {**TUNE_DECODE, **(TUNE_PREFILL if args.prefill else {})}
+    if args.m:
+        tune = {m: b for m, b in tune.items() if m in args.m}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     out = Path(args.out) if args.out else gpu_config_path(tri.CONFIG_DIR, gpu)
     table = json.loads(out.read_text()) if out.exists() else {}
