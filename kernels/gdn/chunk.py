@@ -25,10 +25,11 @@ from kernels.gdn.conv import causal_conv1d
 from kernels.gdn.gates import gates
 
 CHUNK = 64  # the kernels hard-code it (and its 16-token blocks) as literals
-# launch configs (experiments/tune_prefill.py sweeps them on the 35B shape): the WY kernel's warps, the state
-# kernel's value columns per program and warps, the gated norm's rows per program and warps
-WY_CONFIG = dict(num_warps=8)
-STATE_CONFIG = dict(BV=32, num_warps=8)
+# launch configs (experiments/tune_prefill.py on the 35B shape at 4096 tokens, H200): the WY kernel's warps
+# (4: 240 µs, 8: 365), the state kernel's value columns per program and warps (32 on 4: 111 µs, on 8: 140), the
+# gated norm's rows per program and warps (within 1 µs of the best)
+WY_CONFIG = dict(num_warps=4)
+STATE_CONFIG = dict(BV=32, num_warps=4)
 NORM_CONFIG = dict(BR=16, num_warps=4)
 
 
@@ -241,7 +242,7 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
     nv, dk, dv = recurrent_state.shape[1:]
     nk = num_k_heads
     BK, BV = _blocks(dk, dv)
-    BV = min(BV, STATE_CONFIG["BV"])  # state tile [dk, 32]: 4 programs per 128-wide head, no register spills
+    BV = min(BV, STATE_CONFIG["BV"])  # state tile [dk, 32]: 4 programs per 128-wide head
     # 16-bit operands: the chunk loads are pipelined 3 deep (32.5 KiB of shared memory at dk = dv = 128).
     # fp32 (TF32) operands get no pipelining: 3 stages take 376.5 KiB there, 2 take 256 KiB (the H100/H200
     # limit is 227 KiB), 1 takes 72 KiB
