@@ -458,18 +458,22 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale
 
 
 def _cublas(x, weight, out=None) -> torch.Tensor:
-    """F.linear (into `out` when given). An output whose rows are not 16-byte aligned (N = 1281, the 35B MoE
-    in-projection) makes cuBLAS fall back to an sm75 kernel at ~80 TFLOP/s (results/profile_model_prefill.txt:
-    270 µs at 4096 tokens); the product then goes to rows padded to 16 bytes and is copied out."""
+    """F.linear (into `out` when given). When N is not a multiple of 16 bytes of elements (N = 1281, the 35B MoE
+    in-projection) cuBLAS runs an sm75 `align1` kernel at ~77 TFLOP/s, also into padded output rows (270 µs at 4096
+    tokens: results/profile_model_prefill.txt, gemm_alignment.json), so the aligned leading rows run as one product
+    and the last N % 8 (bf16) rows as a second, both into rows padded to 16 bytes, then copied out."""
     K, N = x.shape[-1], weight.shape[0]
-    pad = -N % (16 // x.element_size())
-    if pad == 0 or x.numel() == 0 or K == 0:
+    per_16_bytes = 16 // x.element_size()
+    aligned = N - N % per_16_bytes
+    if aligned in (0, N) or x.numel() == 0 or K == 0:
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
     M = x.numel() // K
-    padded = torch.empty((M, N + pad), dtype=x.dtype, device=x.device)[:, :N]  # [M, N], rows N + pad apart
-    torch.mm(x.reshape(M, K), weight.t(), out=padded)
+    rows = x.reshape(M, K)
+    padded = torch.empty((M, aligned + per_16_bytes), dtype=x.dtype, device=x.device)  # [M, N] rows 16-byte aligned
+    torch.mm(rows, weight[:aligned].t(), out=padded[:, :aligned])
+    torch.mm(rows, weight[aligned:].t(), out=padded[:, aligned:N])
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device) if out is None else out
-    out.view(M, N).copy_(padded)
+    out.view(M, N).copy_(padded[:, :N])
     return out
 
 

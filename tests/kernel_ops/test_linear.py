@@ -75,10 +75,11 @@ def test_linear_default_configs(M):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N", [13, 16], ids=["rows not 16-byte aligned: padded", "aligned"])
-def test_cublas_rows_padded_to_16_bytes(N, dtype):
-    """Above MAX_M an output row of N = 13 elements is not 16-byte aligned (the 35B MoE in-projection, N = 1281):
-    the product goes through rows padded to 16 bytes, then into a contiguous result, also when `out` is given."""
+@pytest.mark.parametrize("N", [13, 16, 3], ids=["8 + 5 rows", "aligned", "under 8 rows"])
+def test_cublas_unaligned_n(N, dtype):
+    """Above MAX_M, N = 13 is not a multiple of 16 bytes of elements (the 35B MoE in-projection, N = 1281): the
+    aligned leading rows and the rest run as two products into padded rows, then into a contiguous result, also
+    when `out` is given."""
     M, K = 70, 48
     x, w = make(M, N, K, dtype)
     want = naive.linear(x.double(), w.double())
