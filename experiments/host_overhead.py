@@ -1,6 +1,7 @@
 """Where an eager Triton op call's host time goes (35B-A3B decode shapes, M = 1, bf16): the whole op as the model
 calls it, then its pieces -- the wrapper's Python before the launch, the PDL switch, one output allocation, the
 Triton launch of the already-compiled kernel through `kernel[grid](...)`, and the compiled kernel's own launcher.
+`kernel[grid](...)` is kernels/launch.py's fast path when enabled; Triton's own launch is timed beside it.
 Host-bound loops of N calls, wall clock per call after a warm-up (the GPU work is a few µs per call, so the
 host is the bound); each piece alone, so the sum need not equal the whole.
 
@@ -56,6 +57,11 @@ def main():
             lambda: linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
         ),
     }
+    triton_launch = getattr(linear_triton._linear_kernel, "fn", None)  # kernels/launch.py: Triton's own launch
+    if triton_launch is not None:
+        rows["Triton's own launch (no fast path)"] = per_call_us(
+            lambda: triton_launch[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+        )
     names = linear_triton._linear_kernel.arg_names  # every argument in order, constexprs included
     values = dict(zip(names, launch_args)) | dict(meta, NORM=False, PDL=on)
     try:

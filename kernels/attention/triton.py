@@ -28,6 +28,7 @@ import triton.language as tl
 
 import kernels
 from kernels.counters import ArrivalCounters
+from kernels.launch import fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
@@ -79,6 +80,7 @@ def _norm_rope(rows, w_ptr, pos, inv_freq_ptr, eps, rows_ok, D: tl.constexpr, HA
     return tl.where(rotated[None, :], y * cos + rot * sin, y)
 
 
+@fast_launch
 @triton.jit
 def _prefill_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, inv_freq_ptr, eps,
@@ -113,6 +115,7 @@ def _prefill_norm_rope_kernel(
         tl.store(v_slots, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _decode_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
@@ -221,6 +224,7 @@ def _decode_kernel(
         tl.store(arrivals, 0)
 
 
+@fast_launch
 @triton.jit
 def _prefill_kernel(
     q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, scale_log2,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.gdn.conv import causal_conv1d
 from kernels.gdn.gates import gates
+from kernels.launch import fast_launch
 
 CHUNK = 64  # the kernels hard-code it (and its 16-token blocks) as literals
 # launch configs (experiments/tune_prefill.py on the 35B shape at 4096 tokens, H200): the WY kernel's warps
@@ -70,6 +71,7 @@ def _store_block(t_ptr, i: tl.constexpr, j: tl.constexpr, x):
     tl.store(t_ptr + (16 * i + r)[:, None] * 64 + 16 * j + r[None, :], x)
 
 
+@fast_launch
 @triton.jit
 def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr,
                t_ptr, T, Tp, C, stride_ab, stride_at, stride_bb, stride_bt, scale,
@@ -153,6 +155,7 @@ def _wy_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, u_ptr, w_ptr, gc_p
     tl.store(ks_ptr + scratch, k_norm * tl.exp(gc_last - gc))
 
 
+@fast_launch
 @triton.jit
 def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr, state_ptr, o_ptr, T, Tp, C,
                         NK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -189,6 +192,7 @@ def _chunk_state_kernel(qkv_ptr, u_ptr, w_ptr, gc_ptr, qs_ptr, ks_ptr, attn_ptr,
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
+@fast_launch
 @triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, T, stride_zb, stride_zt, eps, NV: tl.constexpr,
                        D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip

@@ -4,11 +4,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import fast_launch
+
 # launch config at prefill: time block x channel block (experiments/tune_prefill.py on the 35B shape, H200:
 # 32 x 128 on 4 warps 104.8 µs, the 16-token blocks before 117.5)
 CONFIG = dict(BT=32, BC=128, num_warps=4)
 
 
+@fast_launch
 @triton.jit
 def _causal_conv1d_kernel(
     x_ptr,  # [B, T, C], rows (b, t) at b * stride_xb + t * stride_xt

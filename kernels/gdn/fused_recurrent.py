@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.counters import ArrivalCounters
 from kernels.gdn.gates import gates
+from kernels.launch import fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
@@ -59,6 +60,7 @@ def _l2norm(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
 
 
+@fast_launch
 @triton.jit
 def _decode_kernel(
     x_ptr,  # [B, C] mixed q|k|v of the new token, rows stride_x apart (slices of the fused in_proj output)

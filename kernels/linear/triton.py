@@ -45,6 +45,7 @@ import triton.language as tl
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_rows
+from kernels.launch import fast_launch
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -257,6 +258,7 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     return tl.sum(acc, axis=1)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, xs_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, k_per_split, SPLIT,
@@ -377,6 +379,7 @@ def _linear_kernel(
         tl.store(out_ptr + offs_out, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[i] = sum over s = 0, 1, ..., SPLIT - 1 of ws[s, i], in that order, rounded once to out's dtype."""

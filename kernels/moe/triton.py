@@ -46,6 +46,7 @@ import triton.language as tl
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, k_blocks
+from kernels.launch import fast_launch
 from kernels.moe.naive import shared_expert, split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -212,6 +213,7 @@ def _expert_ranks(
     return tl.where(offs_t < M, ranks, E), nums
 
 
+@fast_launch
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_lm, stride_le, E,
@@ -241,6 +243,7 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 # ----------------------------------------------------------------------------------------------- align (prefill)
 
 
+@fast_launch
 @triton.jit
 def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -251,6 +254,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
     tl.store(rank_ptr + offs, rank, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _align_offsets_kernel(counts_ptr, starts_ptr, ends_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     offs_e = tl.arange(0, BLOCK_E)
@@ -261,6 +265,7 @@ def _align_offsets_kernel(counts_ptr, starts_ptr, ends_ptr, E, BLOCK_M: tl.const
     tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
 
 
+@fast_launch
 @triton.jit
 def _align_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -384,6 +389,7 @@ def _shared_acc(
 # ----------------------------------------------------------------------------------------------- decode (M <= 64)
 
 
+@fast_launch
 @triton.jit
 def _moe_up_decode_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS, w13_s_ptr,
@@ -437,6 +443,7 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
     return pairs, tl.sum(sel.to(tl.int32), 1) > 0
 
 
+@fast_launch
 @triton.jit
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
@@ -648,6 +655,7 @@ def _down_gemv_fp8(
     return acc
 
 
+@fast_launch
 @triton.jit
 def _moe_up_gemv_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
@@ -696,6 +704,7 @@ def _moe_up_gemv_kernel(
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
+@fast_launch
 @triton.jit
 def _moe_down_gemv_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
@@ -788,6 +797,7 @@ def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOC
     return expert, pairs, pairs < P, row0 < tl.load(ends_ptr + E - 1)
 
 
+@fast_launch
 @triton.jit
 def _moe_up_sorted_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr,
@@ -803,6 +813,7 @@ def _moe_up_sorted_kernel(
         _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, EXPERTS_FP8)
 
 
+@fast_launch
 @triton.jit
 def _moe_down_sorted_kernel(
     h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr,

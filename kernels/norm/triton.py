@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.launch import fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
@@ -25,6 +26,7 @@ def _launch_config(n: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)  # ~8 elements per thread for wide rows
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -56,6 +58,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + cols, (xf * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_x, stride_z, eps, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

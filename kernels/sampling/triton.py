@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.launch import fast_launch
 from kernels.sampling.naive import INVALID_TOKEN
 
 # Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
@@ -100,6 +101,7 @@ def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.co
     return lo
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
     logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, n_counters, split,
@@ -247,6 +249,7 @@ def _geometric_thresholds(m, x_min, NT: tl.constexpr):
     return tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
 def _speculative_gather_kernel(
     logits_ptr, stride_row, B, V,
@@ -285,6 +288,7 @@ def _speculative_gather_kernel(
     tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
 def _threshold_count_kernel(
     logits_ptr, stride_row, B, V,
@@ -355,6 +359,7 @@ F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P = (tl.constexpr(i) for i in range(5))  # fp
 N_STATE = tl.constexpr(8)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
 def _finish_kernel(
     logits_ptr, stride_row, B, V,
@@ -489,6 +494,7 @@ def _finish_kernel(
     tl.store(out_ptr + rows, token, mask=row_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
 def _radix_round_kernel(
     logits_ptr, stride_row, B, V, state_i_ptr, state_f_ptr, round_cnt_ptr, round_mass_ptr, counter_ptr, split,
@@ -579,6 +585,7 @@ def _radix_round_kernel(
             tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks"])
 def _race_kernel(
     logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
@@ -715,6 +722,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     return out
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
 def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, split, chunk_blocks,
                          BLOCK: tl.constexpr):  # fmt: skip
@@ -741,6 +749,7 @@ def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_pt
     tl.store(part_idx_ptr + part, idx)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "split"])
 def _combine_argmax_kernel(part_max_ptr, part_idx_ptr, out_ptr, B, split, R: tl.constexpr, SPLIT: tl.constexpr):
     """Greedy pass 2: the chunks' maxima of R rows -> the lowest index of the row max, INVALID for a row with a

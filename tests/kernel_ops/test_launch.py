@@ -1,0 +1,77 @@
+"""kernels/launch.py: a @fast_launch kernel launches through Triton once per specialization key, then through the
+compiled kernel's launcher; every launch must compute what Triton's own launch computes. On the GPU only (the CPU
+interpreter runs kernels unwrapped)."""
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launch
+from tests.helpers import captured, poisoned
+
+
+@launch.fast_launch
+@triton.jit
+def _scaled_copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
+
+
+def copy(x, scale=2.0, block=64, num_warps=4):
+    out = poisoned(x.numel(), dtype=x.dtype, device=x.device)
+    _scaled_copy_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), scale, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def test_interpreter_runs_kernels_unwrapped():
+    """Under TRITON_INTERPRET=1 (the CPU suite) or QMOE_FAST_LAUNCH=0 the decorator returns the kernel itself."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert not launch.ENABLED and not isinstance(_scaled_copy_kernel, launch.FastLaunch)
+    else:
+        assert isinstance(_scaled_copy_kernel, launch.FastLaunch) == launch.ENABLED
+
+
+@pytest.mark.gpu
+def test_each_specialization_gets_its_own_kernel():
+    """Repeated calls reuse a key; a misaligned pointer, an n that is not a multiple of 16, another dtype, another
+    constexpr and other launch options are new keys; every launch is right (outputs NaN-poisoned)."""
+    if not launch.ENABLED:
+        pytest.skip("QMOE_FAST_LAUNCH=0")
+    _scaled_copy_kernel.compiled.clear()
+    base = torch.randn(1000, device="cuda")
+    cases = [
+        (base[:512], {}),  # 16-byte aligned, n % 16 == 0
+        (base[:512], {}),  # the same key: the fast path
+        (base[1:513], {}),  # a pointer 4 bytes off: not 16-byte aligned
+        (base[:500], {}),  # n not a multiple of 16
+        (base[:512].half(), {}),  # another dtype
+        (base[:512], {"block": 128}),  # another constexpr
+        (base[:512], {"num_warps": 2}),  # another launch option
+    ]
+    for x, kw in cases:
+        torch.testing.assert_close(copy(x, **kw), x * 2.0, rtol=0, atol=0)
+    assert len(_scaled_copy_kernel.compiled) == len(cases) - 1
+    for x, kw in cases:  # all from the cache now, scalar arguments changed
+        torch.testing.assert_close(copy(x, scale=-3.0, **kw), x * -3.0, rtol=0, atol=0)
+    assert len(_scaled_copy_kernel.compiled) == len(cases) - 1
+
+
+@pytest.mark.gpu
+def test_fast_launches_run_on_the_current_stream_and_capture():
+    """A fast-path launch goes to the current stream: inside a CUDA graph capture it is captured, and a replay
+    reads the inputs written in place since."""
+    x = torch.randn(4096, device="cuda")
+    copy(x)  # compiled and cached: the launches below take the fast path
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = copy(x)
+    stream.synchronize()
+    torch.testing.assert_close(out, x * 2.0, rtol=0, atol=0)
+    graph, out = captured(lambda: copy(x))
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, x * 2.0, rtol=0, atol=0)
