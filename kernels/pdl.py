@@ -30,11 +30,15 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, so at import; QMOE_PDL is read per call
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on tensor `t` launch with PDL (pass as both `PDL=` and `launch_pdl=`)."""
-    if t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("QMOE_PDL") == "0":
+    if not t.is_cuda or _INTERPRET or os.environ.get("QMOE_PDL") == "0":
         return False
-    return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _device_supports(t.get_device())
 
 
 @triton.jit

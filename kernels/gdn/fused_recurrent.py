@@ -17,6 +17,8 @@ on the (row, key head) counter; the program that gets G * SV - 1 has acquired ev
 reads of those channels happen before its write. It resets the counter to 0 for the next call (calls
 are stream ordered, as in a CUDA graph). No program waits on another, so any launch order is safe."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -179,6 +181,7 @@ reader_counters = ArrivalCounters()
 norm_arrivals = ArrivalCounters()
 
 
+@functools.cache
 def value_splits(B: int, nv: int, dv: int, device: torch.device) -> int:
     """Value splits per head: doubled while the grid has fewer programs than SMs and each split keeps >= 32
     columns (a split's state tile stays a few KiB of 16-byte loads)."""
