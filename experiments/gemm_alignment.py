@@ -16,7 +16,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from kernels.linear import triton as linear_triton
 
-
 TRITON_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
                 (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]  # fmt: skip
 
@@ -52,8 +51,8 @@ def main():
     }
     for bm, bn, bk, warps, stages in TRITON_TILES:  # qmoe's dot path (tl.dot tiles), contiguous output
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=warps, num_stages=stages)
-        cases[f"Triton dot {bm}x{bn}x{bk} w{warps} s{stages}"] = (
-            lambda c=cfg: linear_triton.linear_into(x, fused, out_c, config=c)
+        cases[f"Triton dot {bm}x{bn}x{bk} w{warps} s{stages}"] = lambda c=cfg: linear_triton.linear_into(
+            x, fused, out_c, config=c
         )
     rows = {}
     for name, fn in cases.items():
