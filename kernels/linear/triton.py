@@ -61,6 +61,8 @@ REDUCE_BLOCK = 1024
 # (128 fp8 columns: 16 steps at K = 2048) does not make the statistics a chain of L2 round trips
 # (measured in the loop: bf16 2.169 -> 2.162 ms, FP8 2.897 -> 2.877 ms, tune_decode_loop at 561ed5b)
 MAX_NORM_BLOCK = 2048
+# M > MAX_M with an N that cuBLAS runs slowly (_cublas): the best of six tiles (gemm_alignment.py, H200)
+UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
 # M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
@@ -461,22 +463,16 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale
 
 
 def _cublas(x, weight, out=None) -> torch.Tensor:
-    """F.linear (into `out` when given). When N is not a multiple of 16 bytes of elements (N = 1281, the 35B MoE
-    in-projection) cuBLAS runs an sm75 `align1` kernel at ~77 TFLOP/s, also into padded output rows (270 µs at 4096
-    tokens: results/profile_model_prefill.txt, gemm_alignment.json), so the aligned leading rows run as one product
-    and the last N % 8 (bf16) rows as a second, both into rows padded to 16 bytes, then copied out."""
+    """F.linear (into `out` when given), or the Triton dot path when N is not a multiple of 16 bytes of elements:
+    cuBLAS then runs an sm75 `align1` kernel at ~77 TFLOP/s (the 35B MoE in-projection, N = 1281: 278 µs at 4096
+    tokens, also into padded rows; the aligned rows and the rest as two products plus a copy 135-251 µs; the
+    Triton tile UNALIGNED_N_CONFIG 73.5 µs: results/gemm_alignment.json)."""
     K, N = x.shape[-1], weight.shape[0]
-    per_16_bytes = 16 // x.element_size()
-    aligned = N - N % per_16_bytes
-    if aligned in (0, N) or x.numel() == 0 or K == 0:
+    if N % (16 // x.element_size()) == 0 or x.numel() == 0 or K == 0:
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
     M = x.numel() // K
-    rows = x.reshape(M, K)
-    padded = torch.empty((M, aligned + per_16_bytes), dtype=x.dtype, device=x.device)  # [M, N] rows 16-byte aligned
-    torch.mm(rows, weight[:aligned].t(), out=padded[:, :aligned])
-    torch.mm(rows, weight[aligned:].t(), out=padded[:, aligned:N])
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device) if out is None else out
-    out.view(M, N).copy_(padded[:, :N])
+    linear_into(x.reshape(M, K), weight, out.view(M, N), config=UNALIGNED_N_CONFIG)
     return out
 
 
