@@ -1,7 +1,7 @@
 """Where the 35B-A3B's time goes outside the graph-captured decode step (H200, random bf16 weights, Triton ops):
 
   host     the eager reference runner (runtime=reference kernels=triton, batch 1, prompt 128): wall ms per decode
-           step, then cProfile over the same steps -> the functions with the most own (tottime) and inclusive
+           step with kernels/launch.py's fast launches off and on, then cProfile over the same steps -> the functions with the most own (tottime) and inclusive
            (cumtime) host time. The GPU needs ~2.4 ms of the step; the rest is Python and launch overhead.
   prefill  one 4096-token prefill forward: CUDA-event ms (median of 3, tokens/s) and a profiled forward's GPU time
            per part (dense GEMMs, MoE, GDN, attention, norms; bench_e2e.kernel_parts) and per kernel name.
@@ -24,6 +24,7 @@ import torch
 from bench_e2e import PARTS, TRITON_GROUPS, Metered, config, kernel_parts
 from benchlib import event_median_us, write_json
 
+from kernels.launch import FastLaunch
 from qmoe.app import get_model
 from qmoe.runtime.generate import ReferenceRunner
 from qmoe.runtime.ledger import TransferLedger
@@ -40,11 +41,17 @@ def host_section(model, steps: int, out_dir: Path) -> dict:
     runner.start(prompt)
     for _ in range(3):  # compile and allocate
         runner.step(None)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        runner.step(None)  # reads the token back: one sync per step
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    def wall_ms_per_step() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step(None)  # reads the token back: one sync per step
+        return (time.perf_counter() - t0) * 1e3 / steps
+
+    FastLaunch.enabled = False
+    triton_ms = wall_ms_per_step()  # every kernel launched through Triton's own launch
+    FastLaunch.enabled = True
+    wall_ms = wall_ms_per_step()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -60,6 +67,7 @@ def host_section(model, steps: int, out_dir: Path) -> dict:
     return {
         "ms_per_step": wall_ms,
         "tokens_per_s": 1e3 / wall_ms,
+        "ms_per_step_triton_launch": triton_ms,  # the same steps with kernels/launch.py's fast path off
         "top_tottime_us_per_step": {
             f"{Path(f).name}:{line}:{fn}": {"calls": nc / steps, "us": tt * 1e6 / steps}
             for (f, line, fn), (cc, nc, tt, ct, _) in top

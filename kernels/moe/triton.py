@@ -22,8 +22,9 @@ Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
   Routing order everywhere: descending logit (softmax is monotonic), ties to the lower expert id, as one int32
   key (_order_key), so the up kernel's ranks, its top-k and the ids it hands over always agree.
 Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
-  on device (three tiny kernels) -> grouped up and down GEMMs writing [P, H] partials -> a fixed-order sum; the
-  shared expert on cuBLAS. A grid sized for the worst case skips blocks past the padded total.
+  on device (three tiny kernels) -> grouped up and down GEMMs writing [P, H] partials; the shared expert's down
+  projection on cuBLAS; one combine kernel sums each token's partials in k order and adds the gated shared output.
+  A grid sized for the worst case skips blocks past the padded total.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
 on the tiled paths every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies
@@ -40,14 +41,15 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, k_blocks
+from kernels.fp8 import FP8, dequantize, k_blocks
 from kernels.launch import fast_launch
-from kernels.moe.naive import shared_expert, split_projection
+from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
@@ -833,12 +835,35 @@ def _moe_down_sorted_kernel(
         tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
 
 
-def fused_moe_into(
+COMBINE_BLOCK_H = 1024  # hidden columns per program of the prefill combine
+
+
+@fast_launch
+@triton.jit
+def _combine_kernel(partials_ptr, shared_ptr, gate_logit_ptr, out_ptr, H, stride_g, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):  # fmt: skip
+    """out[t] = sum_k partials[t * TOP_K + k] + sigmoid(gate_logit[t]) * shared[t] with the torch composition's
+    roundings: the k sum in fp32 in k order, then each of routed, sigmoid, the gated shared term and the sum
+    rounded to the activation dtype. Program (token, block of H columns)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(partials_ptr + (t * TOP_K + k) * H + h, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.sigmoid(tl.load(gate_logit_ptr + t * stride_g).to(tl.float32)).to(dt).to(tl.float32)
+    shared = (gate * tl.load(shared_ptr + t * H + h, mask=mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * H + h, (acc.to(dt).to(tl.float32) + shared).to(dt), mask=mask)
+
+
+def routed_partials_into(
     x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None
 ) -> torch.Tensor:
-    """The routed experts on the aligned grouped path with caller-owned scratch: h [P, I] and partials [P, H] in
-    x's dtype (tests pass NaN-filled ones, so a row the kernels forget reaches the output). config overrides the
-    table (tests, tuner); the scales: those of fp8 experts."""
+    """Each (token, k) pair's weighted expert output -> partials [P, H] (rows t * K + k), on the aligned grouped
+    path with caller-owned scratch: h [P, I] and partials in x's dtype (tests pass NaN-filled ones, so a row the
+    kernels forget reaches the output). config overrides the table (tests, tuner); the scales: those of fp8
+    experts."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -860,7 +885,16 @@ def fused_moe_into(
         h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s,
         BLOCK_E=block_e, BLOCK_M=block_m, EXPERTS_FP8=fp8, **down,
     )  # fmt: skip
-    return partials.view(M, K, H).sum(1)  # fixed order, no atomics: bit-reproducible
+    return partials
+
+
+def fused_moe_into(
+    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None
+) -> torch.Tensor:
+    """The routed experts' sum per token [M, H] (routed_partials_into, then the k sum in fixed order: no atomics,
+    bit-reproducible)."""
+    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, config, w13_scale, w2_scale)
+    return partials.view(x.shape[0], topk_ids.shape[1], x.shape[1]).sum(1)
 
 
 def fused_moe(
@@ -883,11 +917,21 @@ def fused_moe(
 def moe_block_prefill(
     x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None
 ) -> torch.Tensor:
-    """The block for M > DECODE_MAX_M: route, the aligned grouped experts, the shared expert on cuBLAS (an fp8
-    shared down projection dequantized per call)."""
+    """The block for M > DECODE_MAX_M: route, the aligned grouped experts' partials, the shared expert's down
+    projection on cuBLAS (an fp8 one dequantized per call), then one kernel that sums each token's partials and adds
+    the gated shared output (naive.moe_block's roundings)."""
     router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
-    routed = fused_moe(x, w13, w2, *route(router_logits, top_k), w13_scale, w2_scale)
-    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
+    topk_weights, topk_ids = route(router_logits, top_k)
+    (M, H), P = x.shape, topk_ids.numel()
+    h, partials = x.new_empty(P, w2.shape[2]), x.new_empty(P, H)
+    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale)
+    down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
+    shared = F.linear(F.silu(gate) * up, down)
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    _combine_kernel[(M, triton.cdiv(H, COMBINE_BLOCK_H))](
+        partials, shared, gate_logit, out, H, gate_logit.stride(0), TOP_K=top_k, BLOCK_H=COMBINE_BLOCK_H
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- the block

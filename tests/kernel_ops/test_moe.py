@@ -301,9 +301,13 @@ def test_moe_block_decode_launches(monkeypatch, M, expected):
     assert rel_err(out, block_reference(args, 2)) < 1e-5
 
 
-@pytest.mark.parametrize("M", [4, 70], ids=["decode", "prefill"])
-def test_moe_block(M):
-    args = block_args(M, 48, 8, 32, 24, torch.float32)
+@pytest.mark.parametrize(
+    "M,H",
+    [(4, 48), (70, 48), (70, moe.COMBINE_BLOCK_H + 6)],
+    ids=["decode", "prefill", "prefill, the combine's second column block a 6-column tail"],
+)
+def test_moe_block(M, H):
+    args = block_args(M, H, 8, 32, 24, torch.float32)
     out = moe.moe_block(*args, top_k=2)
     assert rel_err(out, block_reference(args, 2)) < 1e-5
 
