@@ -1,8 +1,9 @@
 """Where the 35B-A3B's time goes outside the graph-captured decode step (H200, random bf16 weights, Triton ops):
 
   host     the eager reference runner (runtime=reference kernels=triton, batch 1, prompt 128): wall ms per decode
-           step with kernels/launch.py's fast launches off and on, then cProfile over the same steps -> the functions with the most own (tottime) and inclusive
-           (cumtime) host time. The GPU needs ~2.4 ms of the step; the rest is Python and launch overhead.
+           step with kernels/launch.py's fast launches off and on, then cProfile over the same steps -> the
+           functions with the most own (tottime) and inclusive (cumtime) host time. The GPU needs ~2.4 ms of the
+           step; the rest is Python and launch overhead.
   prefill  one 4096-token prefill forward: CUDA-event ms (median of 3, tokens/s) and a profiled forward's GPU time
            per part (dense GEMMs, MoE, GDN, attention, norms; bench_e2e.kernel_parts) and per kernel name.
 
@@ -41,6 +42,7 @@ def host_section(model, steps: int, out_dir: Path) -> dict:
     runner.start(prompt)
     for _ in range(3):  # compile and allocate
         runner.step(None)
+
     def wall_ms_per_step() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
