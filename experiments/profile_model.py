@@ -7,9 +7,11 @@
   prefill  one 4096-token prefill forward: CUDA-event ms (median of 3, tokens/s) and a profiled forward's GPU time
            per part (dense GEMMs, MoE, GDN, attention, norms; bench_e2e.kernel_parts) and per kernel name.
 
-Writes results/profile_model.json and results/profile_model_{host,prefill}.txt.
+Writes results/profile_model.json and results/profile_model_{host,prefill}.txt (named after --out).
 
     PYTHONPATH=. python experiments/profile_model.py [--sections host prefill] [--steps 20]
+    PYTHONPATH=. python experiments/profile_model.py --weights fp8 --sections prefill \
+        --out results/profile_model_fp8.json
 """
 
 import argparse
@@ -34,7 +36,7 @@ from qmoe.settings import SamplingSettings, validate
 GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 
 
-def host_section(model, steps: int, out_dir: Path) -> dict:
+def host_section(model, steps: int, out_dir: Path, name: str) -> dict:
     """Eager reference-runner decode steps: wall ms per step, then a cProfile of as many steps."""
     model.setup_caches(1, 128 + 2 * steps + 8)
     runner = ReferenceRunner(model, GREEDY, 1, TransferLedger())
@@ -64,7 +66,7 @@ def host_section(model, steps: int, out_dir: Path) -> dict:
     for key in ("tottime", "cumtime"):
         text.write(f"\n==== sorted by {key}, {steps} steps\n")
         stats.sort_stats(key).print_stats(45)
-    (out_dir / "profile_model_host.txt").write_text(text.getvalue())
+    (out_dir / f"{name}_host.txt").write_text(text.getvalue())
     top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]  # (file, line, fn) -> (cc, nc, tt, ct, ..)
     return {
         "ms_per_step": wall_ms,
@@ -78,7 +80,7 @@ def host_section(model, steps: int, out_dir: Path) -> dict:
 
 
 @torch.no_grad()
-def prefill_section(model, length: int, out_dir: Path) -> dict:
+def prefill_section(model, length: int, out_dir: Path, name: str) -> dict:
     """One prefill of `length` tokens: event-timed ms and a profiled forward by part and by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,7 +108,7 @@ def prefill_section(model, length: int, out_dir: Path) -> dict:
     by_part = {p: {"kernels": len(d), "ms": sum(d) / 1e3} for p, d in sorted(parts.items(), key=lambda kv: -sum(kv[1]))}
     lines = [f"prefill {length} tokens: {ms:.2f} ms, {length / ms * 1e3:,.0f} tokens/s", ""]
     lines += [f"{p:<30} {v['kernels']:>6} {v['ms']:>9.3f} ms" for p, v in by_part.items()]
-    (out_dir / "profile_model_prefill.txt").write_text("\n".join(lines) + "\n\n" + table)
+    (out_dir / f"{name}_prefill.txt").write_text("\n".join(lines) + "\n\n" + table)
     return {"tokens": length, "ms": ms, "tokens_per_s": length / ms * 1e3, "gpu_ms_by_part": by_part}
 
 
@@ -116,18 +118,19 @@ def main():
     parser.add_argument("--sections", nargs="+", default=["host", "prefill"], choices=("host", "prefill"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help="fp8: model.weights=fp8")
     args = parser.parse_args()
     t0 = time.time()
-    cfg = config("model=qwen35_moe")
+    cfg = config("model=qwen35_moe", f"model.weights={args.weights}")
     model = get_model(cfg, validate(cfg), progress=False).model
     model.set_kernels({g: "triton" for g in TRITON_GROUPS})
     out_dir = Path(args.out).parent
-    out = {}
+    out = {"weights": args.weights}
     for section in args.sections:
         if section == "host":
-            out[section] = host_section(model, args.steps, out_dir)
+            out[section] = host_section(model, args.steps, out_dir, Path(args.out).stem)
         else:
-            out[section] = prefill_section(model, args.prefill_tokens, out_dir)
+            out[section] = prefill_section(model, args.prefill_tokens, out_dir, Path(args.out).stem)
         write_json(args.out, "profile_model", "cuda", parts=PARTS, **out, seconds=time.time() - t0)
         print(json.dumps(out[section], indent=1)[:3000], flush=True)
 
