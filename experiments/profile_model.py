@@ -41,15 +41,17 @@ def host_section(model, steps: int, out_dir: Path, name: str) -> dict:
     model.setup_caches(1, 128 + 2 * steps + 8)
     runner = ReferenceRunner(model, GREEDY, 1, TransferLedger())
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    runner.start(prompt)
+    print("prefill token", runner.start(prompt).tolist(), flush=True)
     for _ in range(3):  # compile and allocate
-        runner.step(None)
+        print("warm-up token", runner.step(None).tolist(), flush=True)
 
     def wall_ms_per_step() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.step(None)  # reads the token back: one sync per step
+        for i in range(steps):
+            ids = runner.step(None)  # reads the token back: one sync per step
+            if not ((ids >= 0) & (ids < model.config.vocab_size)).all():
+                raise RuntimeError(f"step {i} (fast launch {FastLaunch.enabled}) sampled token ids {ids.tolist()}")
         return (time.perf_counter() - t0) * 1e3 / steps
 
     FastLaunch.enabled = False
