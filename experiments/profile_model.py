@@ -38,7 +38,7 @@ GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0
 
 def host_section(model, steps: int, out_dir: Path, name: str) -> dict:
     """Eager reference-runner decode steps: wall ms per step, then a cProfile of as many steps."""
-    model.setup_caches(1, 128 + 2 * steps + 8)
+    model.setup_caches(1, 128 + 3 + 3 * steps + 1)  # prompt, warm-up, the two timed loops and the profiled one
     runner = ReferenceRunner(model, GREEDY, 1, TransferLedger())
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     print("prefill token", runner.start(prompt).tolist(), flush=True)
