@@ -1,13 +1,15 @@
 """Launch configs of the prefill kernels that are not GEMMs, swept on the 35B-A3B shapes at 4096 tokens (bf16, H200):
 the DeltaNet causal conv (kernels/gdn/conv.CONFIG), WY transform, chunk state and gated norm
-(kernels/gdn/chunk.{WY,STATE,NORM}_CONFIG), and attention's q/k norm + RoPE (kernels/attention/triton
-.NORM_ROPE_CONFIG). Inputs are slices of fused-projection-shaped buffers, as in the model (row strides included).
+(kernels/gdn/chunk.{WY,STATE,NORM}_CONFIG), attention's q/k norm + RoPE and its flash kernel
+(kernels/attention/triton.{NORM_ROPE_CONFIG,PREFILL_OPTIONS}). Inputs are slices of fused-projection-shaped
+buffers, as in the model (row strides included).
 
 Each candidate's output is checked against the current config's (max |diff| relative to max |ref|; the per-element
 kernels must agree exactly) and timed as one CUDA graph of a call (median of 10 replays; every input and output is
 > 30 MB, most > L2). The table prints each kernel's current and best config; the JSON keeps every row.
 
-    PYTHONPATH=. python experiments/tune_prefill.py [--out results/tune_prefill.json] [--tokens 4096]
+    PYTHONPATH=. python experiments/tune_prefill.py [--out results/tune_prefill.json] [--tokens 4096] [--apply]
+    (--apply: then set the winners and time the 35B model's 4096-token prefill with them, by part)
 """
 
 import argparse
@@ -47,10 +49,11 @@ def attention_inputs(T: int, device) -> dict:
     D = HEAD_DIM
     proj = torch.randn(1, T, HQ * 2 * D + 2 * HKV * D, generator=gen, device=device, dtype=torch.bfloat16)
     q, k, v = proj.split([HQ * 2 * D, HKV * D, HKV * D], dim=-1)
-    q = q.view(1, T, HQ, 2 * D)[..., :D]
+    q, gate = q.view(1, T, HQ, 2 * D).chunk(2, dim=-1)
     cache = lambda: torch.zeros(1, HKV, T + 16, D, device=device, dtype=torch.bfloat16)
     return dict(
-        q=q, k=k.view(1, T, HKV, D), v=v.view(1, T, HKV, D),
+        q=q, gate=gate, k=k.view(1, T, HKV, D), v=v.view(1, T, HKV, D),
+        out=torch.empty(1, T, HQ * D, device=device, dtype=torch.bfloat16),
         q_weight=0.1 * torch.randn(D, generator=gen, device=device, dtype=torch.bfloat16),
         k_weight=0.1 * torch.randn(D, generator=gen, device=device, dtype=torch.bfloat16),
         k_cache=cache(), v_cache=cache(),
@@ -58,6 +61,17 @@ def attention_inputs(T: int, device) -> dict:
         inv_freq=1.0 / 1e7 ** (torch.arange(ROTARY_HALF, device=device) / ROTARY_HALF),
         q_normed=torch.empty(1, T, HQ, D, device=device, dtype=torch.bfloat16),
     )  # fmt: skip
+
+
+# each kernel's module-level launch config (the sweep changes it in place)
+CONFIGS = {
+    "gdn causal_conv1d": conv.CONFIG,
+    "gdn wy_transform": chunk.WY_CONFIG,
+    "gdn chunk_delta_rule": chunk.STATE_CONFIG,
+    "gdn gated_norm": chunk.NORM_CONFIG,
+    "attention norm_rope": attention.NORM_ROPE_CONFIG,
+    "attention prefill": attention.PREFILL_OPTIONS,  # over the kernel's defaults (64 x 64 tiles, 8 warps, 2 stages)
+}
 
 
 def kernels_under_test(T: int, device) -> dict:
@@ -84,6 +98,13 @@ def kernels_under_test(T: int, device) -> dict:
     def run_norm():
         return (chunk.gated_norm(o, g["z"], g["norm_weight"], 1e-6),)
 
+    def run_attention():
+        a = at
+        attention.prefill_attention_into(a["q"], a["gate"], a["k"], a["v"], a["q_weight"], a["k_weight"], a["k_cache"],
+                                         a["v_cache"], a["positions"], a["inv_freq"], 1e-6, HEAD_DIM**-0.5, a["out"],
+                                         a["q_normed"])  # fmt: skip
+        return (a["out"],)
+
     def run_norm_rope():
         a = at
         attention.prefill_norm_rope_into(a["q"], a["k"], a["v"], a["q_weight"], a["k_weight"], a["k_cache"],
@@ -91,15 +112,16 @@ def kernels_under_test(T: int, device) -> dict:
         return a["q_normed"], a["k_cache"], a["v_cache"]
 
     grid = lambda **axes: [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-    return {
-        "gdn causal_conv1d": (conv.CONFIG, grid(BT=[16, 32, 64], BC=[64, 128, 256], num_warps=[4, 8]), run_conv),
-        "gdn wy_transform": (chunk.WY_CONFIG, grid(num_warps=[2, 4, 8, 16]), run_wy),
-        "gdn chunk_delta_rule": (chunk.STATE_CONFIG, grid(BV=[16, 32, 64], num_warps=[4, 8]), run_state),
-        "gdn gated_norm": (chunk.NORM_CONFIG, grid(BR=[4, 8, 16, 32, 64], num_warps=[1, 2, 4, 8]), run_norm),
-        "attention norm_rope": (
-            attention.NORM_ROPE_CONFIG, grid(BLOCK_T=[1, 2, 4, 8, 16, 32], num_warps=[1, 2, 4, 8]), run_norm_rope
-        ),
+    candidates = {
+        "gdn causal_conv1d": grid(BT=[16, 32, 64], BC=[64, 128, 256], num_warps=[4, 8]),
+        "gdn wy_transform": grid(num_warps=[2, 4, 8, 16]),
+        "gdn chunk_delta_rule": grid(BV=[16, 32, 64], num_warps=[4, 8]),
+        "gdn gated_norm": grid(BR=[4, 8, 16, 32, 64], num_warps=[1, 2, 4, 8]),
+        "attention norm_rope": grid(BLOCK_T=[1, 2, 4, 8, 16, 32], num_warps=[1, 2, 4, 8]),
+        "attention prefill": [{}] + grid(BLOCK_M=[64, 128], BLOCK_N=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
     }  # fmt: skip
+    runs = dict(zip(CONFIGS, (run_conv, run_wy, run_state, run_norm, run_norm_rope, run_attention)))
+    return {name: (CONFIGS[name], candidates[name], runs[name]) for name in CONFIGS}
 
 
 def rel_diff(outs, refs) -> float:
@@ -132,15 +154,43 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/tune_prefill.json")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--kernels", nargs="+", choices=list(CONFIGS), help="sweep only these (default: all)")
+    parser.add_argument(
+        "--apply",
+        action="store_true",
+        help="then set the winners and time the 35B model's prefill with them (profile_model)",
+    )
     args = parser.parse_args()
     t0 = time.time()
     results = {}
     for name, (config, candidates, run) in kernels_under_test(args.tokens, torch.device("cuda")).items():
+        if args.kernels and name not in args.kernels:
+            continue
         results[name] = sweep(name, config, candidates, run)
         write_json(args.out, "tune_prefill", "cuda", tokens=args.tokens, kernels=results, seconds=time.time() - t0)
     print(f"\n{'kernel':<22} {'current us':>10} {'best us':>9}  best config")
     for name, r in results.items():
         print(f"{name:<22} {r['current_us']:>10.1f} {r['best_us']:>9.1f}  {r['best']}")
+    if args.apply:  # the winners in the model: one 4096-token prefill forward, by part
+        from pathlib import Path
+
+        from bench_e2e import TRITON_GROUPS
+        from bench_e2e import config as compose
+        from profile_model import prefill_section
+
+        from qmoe.app import get_model
+        from qmoe.settings import validate
+
+        for name, r in list(results.items()):
+            CONFIGS[name].clear()
+            CONFIGS[name].update(r["best"])
+        cfg = compose("model=qwen35_moe")
+        model = get_model(cfg, validate(cfg), progress=False).model
+        model.set_kernels({g: "triton" for g in TRITON_GROUPS})
+        out = Path(args.out)
+        results["model prefill with the winners"] = prefill_section(model, args.tokens, out.parent, out.stem)
+        write_json(args.out, "tune_prefill", "cuda", tokens=args.tokens, kernels=results, seconds=time.time() - t0)
+        print(results["model prefill with the winners"])
 
 
 if __name__ == "__main__":

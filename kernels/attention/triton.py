@@ -296,11 +296,15 @@ def _decode_config(G: int, D: int, splits: int, dtype: torch.dtype) -> dict:
     )  # fmt: skip
 
 
-@functools.cache
+# launch options over _prefill_config's for 16-bit caches (experiments/tune_prefill.py sweeps them)
+PREFILL_OPTIONS: dict = {}
+
+
 def _prefill_config(D: int, dtype: torch.dtype) -> dict:
     """Launch options of the prefill kernel: wide rows (fp32 at head dim 256) take 32-key tiles."""
     wide = max(triton.next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
-    return dict(BLOCK_M=64, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
+    config = dict(BLOCK_M=64, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
+    return config if wide else {**config, **PREFILL_OPTIONS}
 
 
 # the decode kernel's counters, one per (row, kv head): its last split to arrive merges (invariants: ArrivalCounters)

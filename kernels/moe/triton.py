@@ -835,7 +835,22 @@ def _moe_down_sorted_kernel(
         tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
 
 
-COMBINE_BLOCK_H = 1024  # hidden columns per program of the prefill combine
+COMBINE_BLOCK_H = 1024  # hidden columns per program of the prefill combine (and of its shared activation)
+
+
+@fast_launch
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+    """out[t] = silu(gate[t]) * up[t] (the shared expert's activation; rows of the fused projection read in place)
+    with the torch path's roundings: silu rounded to the activation dtype, then the product. Program (token,
+    block of columns)."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + t * stride_g + n, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + t * stride_u + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * N + n, ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt), mask=mask)
 
 
 @fast_launch
@@ -917,16 +932,21 @@ def fused_moe(
 def moe_block_prefill(
     x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None
 ) -> torch.Tensor:
-    """The block for M > DECODE_MAX_M: route, the aligned grouped experts' partials, the shared expert's down
-    projection on cuBLAS (an fp8 one dequantized per call), then one kernel that sums each token's partials and adds
-    the gated shared output (naive.moe_block's roundings)."""
+    """The block for M > DECODE_MAX_M: route, the aligned grouped experts' partials, the shared expert (its
+    activation one kernel, its down projection on cuBLAS; an fp8 one dequantized per call), then one kernel that
+    sums each token's partials and adds the gated shared output (naive.moe_block's roundings)."""
     router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
     topk_weights, topk_ids = route(router_logits, top_k)
     (M, H), P = x.shape, topk_ids.numel()
     h, partials = x.new_empty(P, w2.shape[2]), x.new_empty(P, H)
     routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale)
     down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
-    shared = F.linear(F.silu(gate) * up, down)
+    Is = gate.shape[1]
+    act = torch.empty((M, Is), dtype=x.dtype, device=x.device)
+    _silu_mul_kernel[(M, triton.cdiv(Is, COMBINE_BLOCK_H))](
+        gate, up, act, Is, gate.stride(0), up.stride(0), BLOCK=COMBINE_BLOCK_H
+    )
+    shared = F.linear(act, down)
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     _combine_kernel[(M, triton.cdiv(H, COMBINE_BLOCK_H))](
         partials, shared, gate_logit, out, H, gate_logit.stride(0), TOP_K=top_k, BLOCK_H=COMBINE_BLOCK_H
