@@ -301,9 +301,12 @@ PREFILL_OPTIONS: dict = {}
 
 
 def _prefill_config(D: int, dtype: torch.dtype) -> dict:
-    """Launch options of the prefill kernel: wide rows (fp32 at head dim 256) take 32-key tiles."""
+    """Launch options of the prefill kernel: wide rows (fp32 at head dim 256) take 32-key tiles; 16-bit rows at head
+    dim 256 128-query tiles (tune_prefill on the H200, 35B at 4096 tokens: 564 µs with the norm + RoPE launch, 752
+    with 64-query tiles)."""
     wide = max(triton.next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
-    config = dict(BLOCK_M=64, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
+    block_m = 128 if D >= 256 and not wide else 64
+    config = dict(BLOCK_M=block_m, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
     return config if wide else {**config, **PREFILL_OPTIONS}
 
 
