@@ -75,3 +75,17 @@ def test_fast_launches_run_on_the_current_stream_and_capture():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, x * 2.0, rtol=0, atol=0)
+
+
+def test_key_separates_what_triton_specializes_on():
+    """The fast path's key must be at least as fine as Triton's specialization: a 16-byte misaligned pointer, another
+    dtype, another int (divisibility, == 1), a bool for an int, None for 0 are new keys; float values are not
+    (Triton passes every float as fp32)."""
+    base = torch.zeros(64)
+    key = launch._key
+    assert key((base[:8],)) == key((base[16:24],))  # both 16-byte aligned (64 bytes apart)
+    assert key((base[:8],)) != key((base[1:9],))  # 4 bytes off
+    assert key((base[:8],)) != key((base.half()[:8],))  # dtype
+    assert key((16,)) != key((17,)) and key((1,)) != key((2,))
+    assert key((1,)) != key((True,)) and key((None,)) != key((0,))
+    assert key((0.5,)) == key((2.0,)) and key((0.5,)) != key((0,))
