@@ -69,12 +69,15 @@ class FastLaunch:
             from triton.runtime.driver import driver
 
             self._driver = driver.active.get_current_device, driver.active.get_current_stream
-        if not FastLaunch.enabled:
+        if not FastLaunch.enabled or callable(grid):  # a grid function needs Triton's bound arguments
             return self.fn[grid](*args, **kwargs)
         current_device, current_stream = self._driver
         device = current_device()
         key = (device, _key(args), tuple(kwargs.items()))
-        entry = self.compiled.get(key)
+        try:
+            entry = self.compiled.get(key)
+        except TypeError:  # an unhashable argument (a list constexpr): no key, through Triton
+            return self.fn[grid](*args, **kwargs)
         if entry is None:  # through Triton: it compiles (or finds) the kernel and launches it
             kernel = self.fn[grid](*args, **kwargs)
             tail = self.fn.arg_names[len(args) :]
