@@ -12,7 +12,9 @@ This script measures the step itself:
 2. In-loop coordinate descent over M = 1 launch configs, one shape at a time (lm_head, DeltaNet in_proj, the
    N = 2048, K = 4096 out projections, attention qkv, the MoE input projection, MoE up, MoE down): each
    candidate replaces the table's entry, the step is captured and timed; the best so far stays for the next
-   shape. `--write-tables` writes the winners into kernels/{linear,moe}/configs/<GPU>.json.
+   shape. `--write-tables` writes the winners into kernels/{linear,moe}/configs/<GPU>.json. Then the mixers'
+   DECODE_OPTIONS (attention's splits and warps, DeltaNet's value splits and warps), reported in the JSON only
+   (the launchers' rules are code: a winner becomes a rule by hand).
 
 Timing: one decode step (the model's eager forward + greedy sample on Triton ops, as the CUDA-native runner's
 graph holds it) captured in a CUDA graph, replayed `--replays` times back to back, median of 3 such runs
@@ -31,6 +33,8 @@ import torch
 from bench_e2e import TRITON_GROUPS, config
 from benchlib import ceilings, event_median_us, write_json
 
+from kernels.attention import triton as attention_triton
+from kernels.gdn import fused_recurrent
 from kernels.linear import triton as linear_triton
 from kernels.moe import triton as moe_triton
 from kernels.tuned import gpu_config_path
@@ -50,6 +54,10 @@ MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512
                      (8, 2048, 8, 1), (4, 512, 4, 2)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
+# the mixers' DECODE_OPTIONS: attention's split count (num_splits() gives 3 at this cache) and warps, DeltaNet's value
+# splits per head and warps; {} is the launcher's own choice
+ATTENTION_CANDIDATES = [{"splits": s, "num_warps": w} for s in (1, 2, 3, 4) for w in (4, 8)]
+GDN_CANDIDATES = [{"splits": s, "num_warps": w} for s in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
 class Patched:
@@ -148,6 +156,12 @@ def set_moe(key: str, cfg: dict) -> None:
     moe_triton.get_config.cache_clear()
 
 
+def set_options(module, options: dict) -> None:
+    """A mixer's DECODE_OPTIONS (kernels/attention/triton.py, kernels/gdn/fused_recurrent.py), in place."""
+    module.DECODE_OPTIONS.clear()
+    module.DECODE_OPTIONS.update(options)
+
+
 def descend(model, replays, rows, what, key, current, candidates, apply) -> dict:
     """Try each candidate for one table entry in the loop; keep the fastest (the current entry first)."""
     best_cfg, best_ms = current, None
@@ -228,6 +242,12 @@ def main():
     down_cfgs = [{**best, "down": moe_part(c)} for c in MOE_DOWN_CANDIDATES]
     best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
     chosen["moe"][key] = best
+    for what, module, candidates in (("attention", attention_triton, ATTENTION_CANDIDATES),
+                                     ("gdn", fused_recurrent, GDN_CANDIDATES)):  # fmt: skip
+        chosen[what] = descend(model, args.replays, rows, what, what, {}, candidates,
+                               lambda _, options, m=module: set_options(m, options))  # fmt: skip
+        out.update(descent=rows, chosen=chosen)
+        save()
     out["final_ms"] = step_ms(model, args.replays)
     out.update(descent=rows, chosen=chosen)
     save()

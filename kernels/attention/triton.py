@@ -298,6 +298,8 @@ def _decode_config(G: int, D: int, splits: int, dtype: torch.dtype) -> dict:
 
 # launch options over _prefill_config's for 16-bit caches (experiments/tune_prefill.py sweeps them)
 PREFILL_OPTIONS: dict = {}
+# decode: "splits" over num_splits(), launch options over _decode_config's (experiments/tune_decode_loop.py)
+DECODE_OPTIONS: dict = {}
 
 
 def _prefill_config(D: int, dtype: torch.dtype) -> dict:
@@ -400,11 +402,12 @@ def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_
     B, T, HQ, D = q.shape
     out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
     if T == 1:
-        splits = num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
+        splits = DECODE_OPTIONS.get("splits") or num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
         o_part = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, o_part, lse_part)
-        decode_attention_into(q, gate, k, v, *args)
+        options = {k: v for k, v in DECODE_OPTIONS.items() if k != "splits"} if DECODE_OPTIONS else None
+        decode_attention_into(q, gate, k, v, *args, options=options)
     else:
         q_normed = torch.empty(B, T, HQ, D, dtype=q.dtype, device=q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, q_normed)

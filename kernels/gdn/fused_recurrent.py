@@ -175,6 +175,8 @@ def _decode_kernel(
         tl.store(readers, 0)
 
 
+# "splits" over value_splits() and "num_warps" (experiments/tune_decode_loop.py tries them in the decode step)
+DECODE_OPTIONS: dict = {}
 # one per (row, key head): the last reader of a key head's q/k channels writes them (invariants: ArrivalCounters)
 reader_counters = ArrivalCounters()
 # one per (row, value head): the last value split to arrive normalises the head's row
@@ -223,7 +225,7 @@ def gated_delta_net_decode(
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and recurrent_state.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     device = mixed_qkv.device
-    splits = splits or value_splits(B, nv, dv, device)
+    splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv, device)
     BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv) // splits
     assert BV >= 1 and BV * splits == triton.next_power_of_2(dv), "splits: a power of two up to the value head dim"
     sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
@@ -234,6 +236,6 @@ def gated_delta_net_decode(
         reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
-        PDL=on, launch_pdl=on, num_warps=8 if BK * BV >= 128 * 64 else 4,
+        PDL=on, launch_pdl=on, num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV >= 128 * 64 else 4),
     )  # fmt: skip
     return out

@@ -162,6 +162,22 @@ def test_public_op_eager_and_custom_op(T):
     assert torch.equal(out_op, out) and torch.equal(x2["k_cache"], x["k_cache"])
 
 
+@pytest.mark.parametrize(
+    "options", [{"splits": 1}, {"splits": 3, "num_warps": 2}], ids=["one split", "3 splits, 2 warps"]
+)
+def test_decode_options_override_the_launch(monkeypatch, options):
+    """DECODE_OPTIONS (what tune_decode_loop tries in the step) replace num_splits()' split count (seen in the
+    workspace the launch allocates) and the launch options; the op stays right."""
+    x = make_layer(2, 1, 4, 2, 32, 8, 160, [0, 90], torch.float32, "cpu", seed=7)
+    ref, _, _ = reference(x)
+    monkeypatch.setattr(tri, "DECODE_OPTIONS", options)
+    seen = []
+    real = tri.decode_attention_into
+    monkeypatch.setattr(tri, "decode_attention_into", lambda *a, **kw: seen.append(a[-1].shape[2]) or real(*a, **kw))
+    out = tri.gated_attention(**x, eps=EPS, scale=32**-0.5)
+    assert seen == [options["splits"]] and rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_arrival_counters_are_per_size_and_kept():
     """One counter buffer per (device, size), the same object on every call (a captured CUDA graph keeps its
     pointer), and back at zero after a decode call at either size."""

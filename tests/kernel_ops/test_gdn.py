@@ -121,6 +121,29 @@ def test_decode(poison, B, dims, splits):
 
 
 @pytest.mark.parametrize(
+    "options", [{"splits": 2}, {"splits": 4, "num_warps": 2}], ids=["2 splits", "4 splits, 2 warps"]
+)
+def test_decode_options_override_the_launch(poison, monkeypatch, options):
+    """DECODE_OPTIONS (what tune_decode_loop tries in the step) replace value_splits()' choice (seen in the grid)
+    and the warps; the step stays right."""
+    dims = dict(nk=1, nv=4, dk=16, dv=16)
+    x = make_inputs(1, 1, **dims)
+    x_ref = clone(x)
+    monkeypatch.setattr(fused_recurrent, "DECODE_OPTIONS", options)
+    grids, real = [], fused_recurrent._decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(fused_recurrent, "_decode_kernel", Recording())
+    out = fused_recurrent.gated_delta_net_decode(**x, num_k_heads=1, eps=1e-6)
+    assert grids == [(1, 4, options["splits"])]
+    check(out, run(naive, x_ref, 1), x, x_ref, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize(
     "B,T,dims",
     [
         (1, 2, TINY),  # shortest prefill: the conv state is half old, half new
