@@ -14,7 +14,7 @@ anywhere: the result is a function of the launch config only, bit-reproducible a
 replay and exported programs. The workspace is allocated per call through torch's caching allocator (CUDA
 graphs capture it like any other temporary); nothing persists between calls.
 Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS already runs near the tensor-core
-ceiling.
+ceiling, except for an N that is not a multiple of 16 bytes of elements (_cublas: the dot path's tile instead).
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
 kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the products of each 128-column scale
