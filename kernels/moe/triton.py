@@ -554,7 +554,8 @@ def moe_block_decode(
     if config["BLOCK_M"] == 1:
         if M != 1:
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
-        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, *scales)
+        flags = experts_fp8, shared_fp8
+        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags)
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
@@ -758,15 +759,16 @@ def _moe_down_gemv_kernel(
 
 
 def moe_block_gemv(
-    x, proj, w13, w2, shared_down_proj, top_k, config, scratch, w13_scale=None, w2_scale=None, shared_down_scale=None
-) -> torch.Tensor:
-    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1)."""
+    x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8
+) -> torch.Tensor:  # fmt: skip
+    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode has checked
+    the scales (the flags, check_scales')."""
     H = x.shape[1]
     E, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     up, down = config["up"], config["down"]
     block_top = triton.next_power_of_2(top_k)
-    experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale)
+    w13_scale, w2_scale, shared_down_scale = scales
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
