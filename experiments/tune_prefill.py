@@ -17,50 +17,33 @@ import itertools
 import time
 
 import torch
+from bench_attention import HQ
+from bench_attention import D as HEAD_DIM
+from bench_attention import layer_inputs as attention_layer
 from bench_gdn import DIMS_35B
+from bench_gdn import layer_inputs as gdn_layer
 from benchlib import time_calls, write_json
 
 from kernels.attention import triton as attention
 from kernels.gdn import chunk, conv
 
-HQ, HKV, HEAD_DIM, ROTARY_HALF = 16, 2, 256, 32  # 35B-A3B attention
-
 
 def gdn_inputs(T: int, device) -> dict:
-    nk, nv, dk, dv, kw = (DIMS_35B[k] for k in ("nk", "nv", "dk", "dv", "kw"))
-    C = 2 * nk * dk + nv * dv
-    gen = torch.Generator(device=device).manual_seed(0)
-    proj = torch.randn(1, T, C + nv * dv + 2 * nv, generator=gen, device=device, dtype=torch.bfloat16)
-    mixed, z, b, a = proj.split([C, nv * dv, nv, nv], dim=-1)
-    return dict(
-        mixed=mixed, z=z, a=a, b=b,
-        conv_weight=torch.randn(C, 1, kw, generator=gen, device=device, dtype=torch.bfloat16) / kw**0.5,
-        conv_state=torch.randn(1, C, kw - 1, generator=gen, device=device, dtype=torch.bfloat16),
-        A_log=torch.empty(nv, device=device).uniform_(0.01, 16.0, generator=gen).log().to(torch.bfloat16),
-        dt_bias=torch.empty(nv, device=device).uniform_(0.5, 1.5, generator=gen).to(torch.bfloat16),
-        state=0.1 * torch.randn(1, nv, dk, dv, generator=gen, device=device),
-        norm_weight=1 + 0.1 * torch.randn(dv, generator=gen, device=device, dtype=torch.bfloat16),
-        nk=nk, dk=dk, dv=dv,
-    )  # fmt: skip
+    """bench_gdn's DeltaNet layer at 35B dims in bf16, with q|k|v, z, b, a as slices of one fused projection row
+    (the model's row strides)."""
+    x = gdn_layer(T, **DIMS_35B, dtype=torch.bfloat16, device=device, seed=0)
+    parts = [x["mixed_qkv"], x["z"], x["b"], x["a"]]
+    fused = torch.cat(parts, dim=-1).split([t.shape[-1] for t in parts], dim=-1)
+    x["mixed_qkv"], x["z"], x["b"], x["a"] = fused
+    return x
 
 
 def attention_inputs(T: int, device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(1)
-    D = HEAD_DIM
-    proj = torch.randn(1, T, HQ * 2 * D + 2 * HKV * D, generator=gen, device=device, dtype=torch.bfloat16)
-    q, k, v = proj.split([HQ * 2 * D, HKV * D, HKV * D], dim=-1)
-    q, gate = q.view(1, T, HQ, 2 * D).chunk(2, dim=-1)
-    cache = lambda: torch.zeros(1, HKV, T + 16, D, device=device, dtype=torch.bfloat16)
-    return dict(
-        q=q, gate=gate, k=k.view(1, T, HKV, D), v=v.view(1, T, HKV, D),
-        out=torch.empty(1, T, HQ * D, device=device, dtype=torch.bfloat16),
-        q_weight=0.1 * torch.randn(D, generator=gen, device=device, dtype=torch.bfloat16),
-        k_weight=0.1 * torch.randn(D, generator=gen, device=device, dtype=torch.bfloat16),
-        k_cache=cache(), v_cache=cache(),
-        positions=torch.arange(T, device=device)[None],
-        inv_freq=1.0 / 1e7 ** (torch.arange(ROTARY_HALF, device=device) / ROTARY_HALF),
-        q_normed=torch.empty(1, T, HQ, D, device=device, dtype=torch.bfloat16),
-    )  # fmt: skip
+    """bench_attention's gated-attention layer (strided views of the fused q|k|v row) and the prefill's outputs."""
+    x = attention_layer(T, T + 16, device, torch.bfloat16)
+    x["out"] = torch.empty(1, T, HQ * HEAD_DIM, device=device, dtype=torch.bfloat16)
+    x["q_normed"] = torch.empty(1, T, HQ, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return x
 
 
 # each kernel's module-level launch config (the sweep changes it in place)
@@ -77,23 +60,22 @@ CONFIGS = {
 def kernels_under_test(T: int, device) -> dict:
     """{name: (config dict, candidates, run() -> outputs to compare)}."""
     g, at = gdn_inputs(T, device), attention_inputs(T, device)
-    state0, conv0 = g["state"].clone(), g["conv_state"].clone()
-    qkv = conv.causal_conv1d(g["mixed"], g["conv_state"].clone(), g["conv_weight"])
-    wy = chunk.wy_transform(qkv, g["a"], g["b"], g["A_log"], g["dt_bias"], g["nk"], g["dk"], g["dv"])
-    o = chunk.chunk_delta_rule(qkv, wy, g["state"].clone(), g["nk"])
+    nk, dk, dv = DIMS_35B["nk"], DIMS_35B["dk"], DIMS_35B["dv"]
+    state0, conv0 = g["recurrent_state"].clone(), g["conv_state"].clone()
+    qkv = conv.causal_conv1d(g["mixed_qkv"], g["conv_state"].clone(), g["conv_weight"])
+    wy = chunk.wy_transform(qkv, g["a"], g["b"], g["A_log"], g["dt_bias"], nk, dk, dv)
+    o = chunk.chunk_delta_rule(qkv, wy, g["recurrent_state"].clone(), nk)
 
     def run_conv():
         g["conv_state"].copy_(conv0)  # the same start every call (the conv updates its state)
-        return (conv.causal_conv1d(g["mixed"], g["conv_state"], g["conv_weight"]),)
+        return (conv.causal_conv1d(g["mixed_qkv"], g["conv_state"], g["conv_weight"]),)
 
     def run_wy():
-        return tuple(
-            chunk.wy_transform(qkv, g["a"], g["b"], g["A_log"], g["dt_bias"], g["nk"], g["dk"], g["dv"]).values()
-        )
+        return tuple(chunk.wy_transform(qkv, g["a"], g["b"], g["A_log"], g["dt_bias"], nk, dk, dv).values())
 
     def run_state():
-        g["state"].copy_(state0)  # the same start every call (a 2 MiB copy, inside the timing)
-        return chunk.chunk_delta_rule(qkv, wy, g["state"], g["nk"]), g["state"]
+        g["recurrent_state"].copy_(state0)  # the same start every call (a 2 MiB copy, inside the timing)
+        return chunk.chunk_delta_rule(qkv, wy, g["recurrent_state"], nk), g["recurrent_state"]
 
     def run_norm():
         return (chunk.gated_norm(o, g["z"], g["norm_weight"], 1e-6),)
