@@ -406,7 +406,7 @@ def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_
         o_part = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, o_part, lse_part)
-        options = {k: v for k, v in DECODE_OPTIONS.items() if k != "splits"} if DECODE_OPTIONS else None
+        options = {name: value for name, value in DECODE_OPTIONS.items() if name != "splits"} or None
         decode_attention_into(q, gate, k, v, *args, options=options)
     else:
         q_normed = torch.empty(B, T, HQ, D, dtype=q.dtype, device=q.device)

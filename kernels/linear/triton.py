@@ -14,7 +14,7 @@ anywhere: the result is a function of the launch config only, bit-reproducible a
 replay and exported programs. The workspace is allocated per call through torch's caching allocator (CUDA
 graphs capture it like any other temporary); nothing persists between calls.
 Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS already runs near the tensor-core
-ceiling, except for an N that is not a multiple of 16 bytes of elements (_cublas: the dot path's tile instead).
+ceiling, except for an N that is not a multiple of 16 bytes of elements (_prefill_gemm: the dot path's tile instead).
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
 kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the products of each 128-column scale
@@ -61,7 +61,7 @@ REDUCE_BLOCK = 1024
 # (128 fp8 columns: 16 steps at K = 2048) does not make the statistics a chain of L2 round trips
 # (measured in the loop: bf16 2.169 -> 2.162 ms, FP8 2.897 -> 2.877 ms, tune_decode_loop at 561ed5b)
 MAX_NORM_BLOCK = 2048
-# M > MAX_M with an N that cuBLAS runs slowly (_cublas): the best of six tiles (gemm_alignment.py, H200)
+# M > MAX_M with an N that cuBLAS runs slowly (_prefill_gemm): the best of six tiles (gemm_alignment.py, H200)
 UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
 # M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
@@ -462,8 +462,9 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale
     return out
 
 
-def _cublas(x, weight, out=None) -> torch.Tensor:
-    """F.linear (into `out` when given), or the Triton dot path when N is not a multiple of 16 bytes of elements:
+def _prefill_gemm(x, weight, out=None) -> torch.Tensor:
+    """The product above MAX_M rows: F.linear (into `out` when given), or the Triton dot path when N is not a
+    multiple of 16 bytes of elements:
     cuBLAS then runs an sm75 `align1` kernel at ~77 TFLOP/s (the 35B MoE in-projection, N = 1281: 278 µs at 4096
     tokens, also into padded rows; the aligned rows and the rest as two products plus a copy 135-251 µs; the
     Triton tile UNALIGNED_N_CONFIG 73.5 µs: results/gemm_alignment.json)."""
@@ -488,7 +489,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
         return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
         weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
-        return _cublas(x, weight, out)
+        return _prefill_gemm(x, weight, out)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale)
     return out.view(*x.shape[:-1], N)
