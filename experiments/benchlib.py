@@ -13,7 +13,9 @@ import torch
 
 from qmoe.metrics import measure
 from qmoe.metrics.measure import environment
+from qmoe.settings import SamplingSettings
 
+GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)  # the decode benchmarks' mode
 L2_FLUSH_BYTES = 200 * 2**20  # > 3x the H200's 50 MB L2: inputs rotated over this many bytes come from HBM
 
 

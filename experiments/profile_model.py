@@ -25,15 +25,13 @@ from pathlib import Path
 
 import torch
 from bench_e2e import PARTS, TRITON_GROUPS, Metered, config, kernel_parts
-from benchlib import event_median_us, write_json
+from benchlib import GREEDY, event_median_us, write_json
 
 from kernels.launch import FastLaunch
 from qmoe.app import get_model
 from qmoe.runtime.generate import ReferenceRunner
 from qmoe.runtime.ledger import TransferLedger
-from qmoe.settings import SamplingSettings, validate
-
-GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+from qmoe.settings import validate
 
 
 def host_section(model, steps: int, out_dir: Path, name: str) -> dict:

@@ -28,12 +28,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchlib import GREEDY  # noqa: E402
+
 from qmoe.export import ExportSettings  # noqa: E402
 from qmoe.metrics.measure import environment  # noqa: E402
 from qmoe.model import ModelConfig, build_model  # noqa: E402
 from qmoe.runtime.ablation import measure  # noqa: E402
 from qmoe.runtime.combos import combination_error  # noqa: E402
-from qmoe.settings import SamplingSettings  # noqa: E402
 
 PRESETS = ("baseline", "device_planned", "copy_elided")
 # most important first: a row not started within the time budget is reported as not run
@@ -124,7 +125,7 @@ def main() -> None:
 
     arch, exports, how = load_configs(args.model, args.layers)
     model = build_model(ModelConfig.from_dict(arch), torch.bfloat16, "cuda", seed=0)
-    sampling = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+    sampling = GREEDY
     model.set_kernels({group: args.kernels for group in model.ops}, greedy=sampling.greedy)  # as the app does
     model.setup_caches(1, args.prompt_len + args.new_tokens + 16)
     prompts = torch.randint(

@@ -31,7 +31,7 @@ import time
 
 import torch
 from bench_e2e import TRITON_GROUPS, config
-from benchlib import ceilings, event_median_us, write_json
+from benchlib import GREEDY, ceilings, event_median_us, write_json
 
 from kernels.attention import triton as attention_triton
 from kernels.gdn import fused_recurrent
@@ -41,10 +41,9 @@ from kernels.tuned import gpu_config_path
 from qmoe.app import get_model
 from qmoe.metrics.measure import active_weight_bytes
 from qmoe.runtime.generate import sampling_tensors
-from qmoe.settings import SamplingSettings, validate
+from qmoe.settings import validate
 
 PROMPT_POS = 128
-GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
 # M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages); the table's entry is always measured first
 GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2)],
