@@ -33,12 +33,14 @@ from qmoe.runtime.generate import ReferenceRunner
 from qmoe.runtime.ledger import TransferLedger
 from qmoe.settings import validate
 
+HOST_PROMPT = 128  # the eager steps decode after a prompt of this many tokens, as bench_e2e's reference rows
+
 
 def host_section(model, steps: int, out_dir: Path, name: str) -> dict:
     """Eager reference-runner decode steps: wall ms per step, then a cProfile of as many steps."""
-    model.setup_caches(1, 128 + 3 + 3 * steps + 1)  # prompt, warm-up, the two timed loops and the profiled one
+    model.setup_caches(1, HOST_PROMPT + 3 + 3 * steps + 1)  # prompt, warm-up, the two timed loops, the profiled one
     runner = ReferenceRunner(model, GREEDY, 1, TransferLedger())
-    prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, model.config.vocab_size, (1, HOST_PROMPT), generator=torch.Generator().manual_seed(0))
     print("prefill token", runner.start(prompt).tolist(), flush=True)
     for _ in range(3):  # compile and allocate
         print("warm-up token", runner.step(None).tolist(), flush=True)
@@ -53,8 +55,10 @@ def host_section(model, steps: int, out_dir: Path, name: str) -> dict:
         return (time.perf_counter() - t0) * 1e3 / steps
 
     FastLaunch.enabled = False
-    triton_ms = wall_ms_per_step()  # every kernel launched through Triton's own launch
-    FastLaunch.enabled = True
+    try:
+        triton_ms = wall_ms_per_step()  # every kernel launched through Triton's own launch
+    finally:
+        FastLaunch.enabled = True
     wall_ms = wall_ms_per_step()
     profiler = cProfile.Profile()
     profiler.enable()
