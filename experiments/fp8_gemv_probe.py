@@ -1,11 +1,17 @@
-"""Probe for the FP8 GEMV's next design (issue 16): is it the one memory round trip per 128-column step that holds
-the production kernel (kernels/linear, SCALED, BLOCK_K <= 128) at 7-29 % of copy bandwidth?
+"""Probe for the FP8 GEMV's next design (issue 16). The production M = 1 kernel (kernels/linear, SCALED) converts
+every fp8 weight to fp32 on the CUDA cores (cvt e4m3x2 -> f16x2, then f16 -> f32: 1.5 conversions per weight, and
+an FMA) and reaches ~60 % of copy bandwidth on the fp8 bytes. Two probes of other designs:
 
-The probe kernel streams U sub-steps of 128 columns per loop iteration, unrolled (tl.static_range), each with its
-own [BLOCK_N] row scale: U independent weight loads are issued before the first is used, without the per-column
-scale tiles that measured slower (5b06a0a). M = 1, 35B shapes, fp8 weights rotated past L2, CUDA-graph timing;
-each variant is checked against fp32 on the dequantized weights first. Prints the table; JSON to
-results/fp8_gemv_probe.json.
+- `probe BLOCK_N U`: U sub-steps of 128 columns per loop iteration, unrolled, each with its own row scale (the
+  first round's question: one memory round trip per 128-column step).
+- `mma BLOCK_N U stages`: the tensor cores do the multiply-add. x [1, K] is padded to [16, 128] tiles, U per
+  step, and rounded to fp16; the weight tile [U, 128, BLOCK_N] converts e4m3 -> f16 exactly (one cvt per two
+  weights); one batched tl.dot over the step's U scale blocks, each [16, BLOCK_N] product times the rows' scales;
+  one wide load per step (U > 1) or loads pipelined by num_stages. fp16 activations are a numerics change (bf16's
+  range is wider: |x| > 65504 would overflow), so this only probes the speed.
+
+M = 1, 35B shapes, fp8 weights rotated past L2, CUDA-graph timing; each variant is checked against fp32 on the
+dequantized weights first. Prints the table; JSON to results/fp8_gemv_probe.json.
 
     PYTHONPATH=. python experiments/fp8_gemv_probe.py
 """
@@ -40,6 +46,35 @@ def _probe_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+@triton.jit
+def _mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.constexpr, U: tl.constexpr):
+    """out[n] = sum_k x[k] w[n, k] s[n, k // 128] on the tensor cores. A step loads U scale blocks of 128 columns
+    as one [U, 128, BLOCK_N] tile and runs one batched fp16 dot [U, 16, 128] x [U, 128, BLOCK_N] (row 0 of each x
+    tile is x, the others zero); each block's [16, BLOCK_N] product times its rows' scales (K % (128 U) == 0)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    u = tl.arange(0, U)
+    c = tl.arange(0, 128)
+    first = (tl.arange(0, 16) == 0)[None, :, None]  # [1, 16, 1]
+    acc = tl.zeros((U, 16, BLOCK_N), tl.float32)
+    for k in range(0, K, 128 * U):
+        cols = k + u[:, None] * 128 + c[None, :]  # [U, 128]
+        w = tl.load(w_ptr + rows[None, None, :] * K + cols[:, :, None])  # [U, 128, BLOCK_N]
+        x = tl.load(x_ptr + cols).to(tl.float16)  # [U, 128]
+        xt = tl.where(first, x[:, None, :], 0.0).to(tl.float16)  # [U, 16, 128]
+        s = tl.load(s_ptr + rows[None, :] * KB + (k // 128 + u)[:, None])  # [U, BLOCK_N]
+        acc += tl.dot(xt, w.to(tl.float16)) * s[:, None, :]
+    out = tl.sum(tl.sum(tl.where(first, acc, 0.0), 1), 0)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def mma(x, q, s, out, block_n, u, stages):
+    N, K = q.shape
+    _mma_kernel[(triton.cdiv(N, block_n),)](x, q, s, out, N, K, s.shape[1], BLOCK_N=block_n, U=u, num_warps=4,
+                                            num_stages=stages)  # fmt: skip
+    return out
+
+
 def probe(x, q, s, out, block_n, u):
     N, K = q.shape
     _probe_kernel[(triton.cdiv(N, block_n),)](x, q, s, out, N, K, s.shape[1], BLOCK_N=block_n, U=u, num_warps=4)
@@ -56,10 +91,16 @@ def measure_shape(name: str, N: int, K: int, copy: float) -> list[dict]:
     ref = (x.double() @ dequantize(q, s, torch.float64).T).float()
     out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
     variants = {"production": lambda i: lin.linear(x, *weights[i % copies])}
-    for bn in (4, 8, 16):
-        for u in (4, 8, 16):
+    for bn in (4, 8):
+        for u in (4, 16):
             if K % (128 * u) == 0:
                 variants[f"probe BLOCK_N={bn} U={u}"] = lambda i, bn=bn, u=u: probe(x, *weights[i % copies], out, bn, u)
+    for bn, u, stages in ((16, 1, 4), (32, 1, 4), (64, 1, 4), (16, 4, 1), (32, 4, 1), (64, 4, 1), (16, 8, 1),
+                          (32, 2, 2), (64, 2, 2)):  # fmt: skip
+        if K % (128 * u) == 0:
+            variants[f"mma BLOCK_N={bn} U={u} stages={stages}"] = lambda i, bn=bn, u=u, st=stages: mma(
+                x, *weights[i % copies], out, bn, u, st
+            )
     nbytes, rows = q.numel() + s.numel() * 4, []
     for label, fn in variants.items():
         err = ((fn(0).float() - ref).abs().max() / ref.abs().max()).item()
