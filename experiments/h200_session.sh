@@ -4,7 +4,7 @@
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
 #         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
 #         bench_checkpoint_fp8, runtime, e2e, profile, profile_model (eager host profile, prefill by part), tune_prefill (prefill's non-GEMM kernels), pdl, barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), tune_loop (+ in-loop config
-#         descent, tables written), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
+#         descent, tables written), tune_loop_fp8 (the same for the FP8 model), run_122b_fp8 (122B-A10B FP8 on one GPU), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -65,6 +65,9 @@ except Exception as e:
     host) STAGE_TIMEOUT=120 run_stage host python3 experiments/host_overhead.py ;;
     loop) STAGE_TIMEOUT=200 run_stage loop python3 experiments/tune_decode_loop.py --skip-descent ;;
     tune_loop) run_stage tune_loop python3 experiments/tune_decode_loop.py --write-tables ;;
+    tune_loop_fp8) run_stage tune_loop_fp8 python3 experiments/tune_decode_loop.py --weights fp8 --write-tables --out results/tune_decode_loop_fp8.json ;;
+    run_122b_fp8) STAGE_TIMEOUT=400 run_stage run_122b_fp8 python3 run.py model=qwen35_moe_122b runtime=cuda_native model.weights=fp8 prompt.length=128 generation.max_new_tokens=128 logger=none hydra.run.dir=/tmp/run_122b_fp8
+                  cp /tmp/run_122b_fp8/results.json results/run_122b_fp8_decode.json 2>/dev/null ;;
     some_tests) run_stage some_tests python3 -m pytest -q -m gpu -n 8 --timeout 300 -p no:cacheprovider ${TESTS:-tests/kernel_ops} ;;
     tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile} ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;

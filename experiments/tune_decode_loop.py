@@ -10,7 +10,8 @@ This script measures the step itself:
    a view of its input): MoE, DeltaNet, attention, the layers' dense projections (lm_head kept), sampling; and
    the step with PDL off. step - step_without_part = what the part costs in the loop, overlap included.
 2. In-loop coordinate descent over M = 1 launch configs, one shape at a time (lm_head, DeltaNet in_proj, the
-   N = 2048, K = 4096 out projections, attention qkv, the MoE input projection, MoE up, MoE down): each
+   N = 2048, K = 4096 out projections, attention qkv, the MoE input projection, MoE up, MoE down; with
+   --weights fp8 the FP8 ones of these, from FP8 candidate lists with wider steps, and no mixers): each
    candidate replaces the table's entry, the step is captured and timed; the best so far stays for the next
    shape. `--write-tables` writes the winners into kernels/{linear,moe}/configs/<GPU>.json. Then the mixers'
    DECODE_OPTIONS (attention's splits and warps, DeltaNet's value splits and warps), reported in the JSON only
@@ -21,7 +22,7 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
 (ms per step). The step reads its 5.9 GB of active weights from HBM every replay (50 MB of L2).
 
     PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
-        [--weights fp8 --skip-descent --out results/tune_decode_loop_fp8.json]
+        [--weights fp8 --out results/tune_decode_loop_fp8.json]
 """
 
 import argparse
@@ -53,6 +54,15 @@ MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512
                      (8, 2048, 8, 1), (4, 512, 4, 2)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
+# FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
+FP8_GEMV_CANDIDATES = {
+    2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (4, 1024, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1),
+           (8, 512, 4, 2)],
+    4096: [(4, 4096, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 2)],
+}  # fmt: skip
+FP8_MOE_UP_CANDIDATES = [(8, 1024, 4, 2), (4, 2048, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 2), (4, 1024, 4, 2),
+                         (16, 512, 8, 2)]  # fmt: skip
+FP8_MOE_DOWN_CANDIDATES = [(4, 512, 4, 2), (8, 512, 4, 2), (2, 512, 4, 2), (8, 256, 4, 3), (4, 256, 4, 3)]
 # the mixers' DECODE_OPTIONS: attention's split count (num_splits() gives 3 at this cache) and warps, DeltaNet's value
 # splits per head and warps; {} is the launcher's own choice
 ATTENTION_CANDIDATES = [{"splits": s, "num_warps": w} for s in (1, 2, 3, 4) for w in (4, 8)]
@@ -185,7 +195,7 @@ def main():
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--write-tables", action="store_true")
     parser.add_argument("--skip-descent", action="store_true")
-    fp8_help = "fp8: the parts of the FP8 model's step (no descent: its candidates are bf16 entries)"
+    fp8_help = "fp8: the FP8 model's step; the descent then covers its FP8 projections and experts"
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help=fp8_help)
     args = parser.parse_args()
     t0 = time.time()
@@ -214,35 +224,45 @@ def main():
     out["parts_ms"] = parts
     out["part_cost_ms"] = {p: parts["none"] - ms for p, ms in parts.items() if p not in ("none", "pdl_off")}
     save()
-    if args.skip_descent or args.weights == "fp8":
+    if args.skip_descent:
         return
     H, cfg_m = model.config.hidden_size, model.config
     E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
-    gemv_shapes = [  # (what, N, K)
-        ("lm_head", cfg_m.vocab_size, H),
-        ("gdn_in", 12352, H),
-        ("out_proj", H, 4096),
-        ("attn_qkv", 9216, H),
-        ("moe_in", E + 2 * cfg_m.shared_expert_intermediate_size + 1, H),
+    gemv_shapes = [  # (what, N, K, the fused weight's name in layer 0 or 3)
+        ("lm_head", cfg_m.vocab_size, H, "lm_head.weight"),
+        ("gdn_in", 12352, H, "layers.0.linear_attn.in_proj"),
+        ("out_proj", H, 4096, "layers.0.linear_attn.out_proj.weight"),
+        ("attn_qkv", 9216, H, "layers.3.self_attn.qkv_proj"),
+        ("moe_in", E + 2 * cfg_m.shared_expert_intermediate_size + 1, H, "layers.0.mlp.in_proj"),
     ]
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # the fused projections are buffers
+    fp8_run = args.weights == "fp8"  # then only what the FP8 model holds in FP8 (the bf16 rest is the bf16 run's)
     rows, chosen = [], {"linear": {}, "moe": {}}
-    for what, N, K in gemv_shapes:
-        key = linear_triton.shape_key(N, K, model.dtype)
-        current = linear_triton.get_config(1, N, K, model.dtype, 132)
-        best = descend(model, args.replays, rows, what, key, current,
-                       [gemv_config(c) for c in GEMV_CANDIDATES[K]], set_gemv)  # fmt: skip
+    for what, N, K, name in gemv_shapes:
+        dtype = params[name].dtype
+        if fp8_run != (dtype == torch.float8_e4m3fn):
+            continue
+        key = linear_triton.shape_key(N, K, dtype)
+        current = linear_triton.get_config(1, N, K, dtype, 132)
+        candidates = (FP8_GEMV_CANDIDATES if fp8_run else GEMV_CANDIDATES)[K]
+        best = descend(model, args.replays, rows, what, key, current, [gemv_config(c) for c in candidates], set_gemv)
         chosen["linear"][key] = best
         out.update(descent=rows, chosen=chosen)
         save()
-    key = moe_triton.shape_key(E, H, I, model.dtype)
-    current = moe_triton.get_config(1, E, H, I, model.dtype)
-    up_cfgs = [{**current, "up": moe_part(c)} for c in MOE_UP_CANDIDATES]
+    w13 = params["layers.0.mlp.experts.gate_up_proj"].dtype
+    key = moe_triton.shape_key(E, H, I, w13)
+    current = moe_triton.get_config(1, E, H, I, w13)
+    up_list, down_list = (
+        (FP8_MOE_UP_CANDIDATES, FP8_MOE_DOWN_CANDIDATES) if fp8_run else (MOE_UP_CANDIDATES, MOE_DOWN_CANDIDATES)
+    )
+    up_cfgs = [{**current, "up": moe_part(c)} for c in up_list]
     best = descend(model, args.replays, rows, "moe_up", key, current, up_cfgs, set_moe)
-    down_cfgs = [{**best, "down": moe_part(c)} for c in MOE_DOWN_CANDIDATES]
+    down_cfgs = [{**best, "down": moe_part(c)} for c in down_list]
     best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
     chosen["moe"][key] = best
-    for what, module, candidates in (("attention", attention_triton, ATTENTION_CANDIDATES),
-                                     ("gdn", fused_recurrent, GDN_CANDIDATES)):  # fmt: skip
+    mixers = () if fp8_run else (("attention", attention_triton, ATTENTION_CANDIDATES),
+                                 ("gdn", fused_recurrent, GDN_CANDIDATES))  # fmt: skip
+    for what, module, candidates in mixers:
         chosen[what] = descend(model, args.replays, rows, what, what, {}, candidates,
                                lambda _, options, m=module: set_options(m, options))  # fmt: skip
         out.update(descent=rows, chosen=chosen)
