@@ -21,7 +21,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from benchlib import event_median_us, write_json
+from benchlib import time_calls, write_json
 
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
@@ -114,13 +114,8 @@ def resident_programs(compiled, num_warps: int, props) -> int:
 
 
 def graph_us(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    return event_median_us(g.replay, reps)
+    """µs of one CUDA-graph replay of fn() (benchlib's capture and timing)."""
+    return time_calls(lambda _: fn(), 1, "cuda", reps)[0]
 
 
 def chain(N: int, P: int, block_n: int, props, rotate: int = 3) -> dict:
