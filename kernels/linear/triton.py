@@ -65,8 +65,11 @@ MAX_NORM_BLOCK = 2048
 # M > MAX_M with an N that cuBLAS runs slowly (_prefill_gemm): the best of six tiles (gemm_alignment.py, H200)
 UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
 # M > MAX_M with fp8 weights: the FP8 x FP8 tile with the activations quantized in its K loop (QUANT_X; BLOCK_K
-# must be 128, one activation and one weight scale per step); not tuned on the H200 yet
-FP8_PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
+# must be 128, one activation and one weight scale per step). Not timed yet; picked from sm_90 compiles (ptxas):
+# 64 x 128 on 4 warps uses 238 registers and 88 KB of shared memory, no spill, so two programs fit an SM (one's
+# quantization can run under the other's wgmma); 128 x 128 on 8 warps spills 172 B, 64 x 256 on 8 warps fits
+# (231 registers, 136 KB) and quantizes each x tile half as often
+FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
 
 

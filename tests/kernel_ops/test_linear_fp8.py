@@ -200,7 +200,7 @@ def test_fp8_prefill_quantizes_activations_in_the_k_loop(M, N, K, cfg, reason, d
 
 @pytest.mark.parametrize("M,N,K", [(65, 40, 300), (300, 24, 128)], ids=["M 65", "M 300: 3 default row tiles"])
 def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K):
-    """linear() above 64 rows with an fp8 weight: one launch of the default FP8 x FP8 tile (BLOCK_M 128, BLOCK_K 128),
+    """linear() above 64 rows with an fp8 weight: one launch of the default FP8 x FP8 tile (FP8_PREFILL_CONFIG),
     no torch pre-pass."""
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     x = prefill_x(M, K, torch.float32, seed=K)
