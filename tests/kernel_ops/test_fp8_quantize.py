@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, quantize_rows, quantize_tile
+from kernels.fp8 import FP8, FP8_MAX, _div_rn_rows, quantize_rows, quantize_tile
 from tests.helpers import exact_fp8_interpreter, fp8_interpreter_safe, fp8_interpreter_unsafe
 
 
@@ -98,13 +98,16 @@ SHAPES = [
 def test_quantize_tile_equals_quantize_rows(M, K, block_m, reason, dtype):
     """Bit-identical q and scales on interpreter-safe data, with the groups that single out a rule: all zero
     (scale 1), the largest magnitude negative (the scale comes from |x|: q = -448 there), one row 1000x the others
-    (its own scales), a group of values around 1e-3 of the others (many small q)."""
+    (its own scales), a group of values around 1e-3 of the others (many small q), a group around 1e-30 (scales
+    below 2^-80: the per-element tl.div_rn branch)."""
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K))
     x[0, : min(K, 128)] = 0
     if M > 3:
         x[1, 5] = -50.0  # far above the rest of its group, negative
         x[2] *= 1000
         x[3, : min(K, 128)] *= 1e-3
+    if M > 4 and dtype != F16:  # a group below 448 * 2^-80: its tile takes the per-element division
+        x[4, : min(K, 128)] *= 1e-30
     x = fp8_interpreter_safe(x.to(dtype))
     assert_bit_identical(x, block_m)
     q, s = quantize(x, block_m)
@@ -154,7 +157,7 @@ def test_exact_fp8_interpreter_converts_like_torch():
 def hard_rows(M: int, K: int, device: str) -> torch.Tensor:
     """Rows built to hit every rounding case: groups led by 448 (scale exactly 1), then exact e4m3 values, exact ties
     between neighbours, values just above / below ties, values rounding up into a power of two, e4m3 subnormals and
-    values below the smallest subnormal; then random rows with heavy tails (many small q)."""
+    values below the smallest subnormal; then random rows with heavy tails (many small q), the last row tiny."""
     v = e4m3_values()
     mids = (v[:-1] + v[1:]) / 2
     cases = torch.cat([v, mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9)),
@@ -166,6 +169,7 @@ def hard_rows(M: int, K: int, device: str) -> torch.Tensor:
     x = torch.randn(M, K, generator=gen) ** 3 * torch.rand(M, 1, generator=gen) * 10
     r = min(M, led.shape[0])
     x[:r, :128] = led[:r]
+    x[-1, :128] *= 1e-30  # scales below 2^-80 (fp32, bf16): the per-element division (fp16 flushes it to 0)
     return x.to(device)
 
 
@@ -196,3 +200,31 @@ def test_quantize_tile_gpu_inf_and_nan():
     nan, ref_nan = q.float().isnan(), ref_q.float().isnan()
     assert torch.equal(nan, ref_nan)
     assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan])
+
+
+@triton.jit
+def _div_kernel(x_ptr, s_ptr, q_ptr, R: tl.constexpr):
+    rows = tl.arange(0, R)
+    offs = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + offs, _div_rn_rows(tl.load(x_ptr + offs), tl.load(s_ptr + rows)))
+
+
+def test_div_rn_rows_is_ieee_division():
+    """quantize_tile's division (one reciprocal per row, Markstein's fma correction) equals IEEE x / s bit for bit:
+    random and adversarial scales (significands 1, 1 + ulp, 2 - ulp, amax / 448 of random amax), dividends with
+    every magnitude a quotient up to 448 can have, quotients exactly on e4m3 ties, signed zeros. The interpreter's
+    fma rounds once, as the GPU's does (a wider sweep over every significand: the report of this change)."""
+    gen = torch.Generator().manual_seed(0)
+    R = 64
+    s = torch.rand(R, generator=gen) * 1000 * (1 / FP8_MAX) + 1e-6
+    s[:3] = torch.tensor([1.0, 1.0 + 2**-23, 2.0 - 2**-23])
+    s[3:8] = torch.tensor([2.0**-80, 2.0**100, 3.0, 1.5, 0.1])
+    q = torch.rand(R, 128, generator=gen) * 2 * FP8_MAX - FP8_MAX
+    q[:, :32] = torch.ldexp(torch.rand(R, 32, generator=gen) + 1, torch.randint(-12, 9, (R, 32), generator=gen))
+    v = e4m3_values()
+    q[:, 32:64] = ((v[:-1] + v[1:]) / 2)[torch.randint(0, v.numel() - 1, (R, 32), generator=gen)]  # ties
+    x = q * s[:, None]
+    x[0, 0], x[1, 0] = 0.0, -0.0
+    got = torch.empty_like(x)
+    _div_kernel[(1,)](x, s, got, R=R)
+    assert torch.equal(got.view(torch.int32), (x / s[:, None]).view(torch.int32))
