@@ -9,7 +9,13 @@ H200 with compiles; --prefill also re-tunes the grouped prefill path. --budget-s
 buckets as they are (default configs if absent). Entries already in the file for other shapes, dtypes or buckets
 are kept.
 
-    python experiments/tune_moe.py [--shapes 35B 122B] [--prefill] [--budget-s 210] [--out PATH]
+--weights fp8 tunes the table's float8_e4m3fn entries instead: the experts quantized (kernels/fp8.quantize_rows of
+the same random weights), every candidate run with their scales. Its prefill candidates are the FP8 x FP8 tiles
+(BLOCK_K fixed at 128: one activation and one weight scale group per step); its decode candidates keep BLOCK_K <= 128
+on the tiled path and a multiple of 128 on the GEMV (experiments/bench_fp8.py --sections sweep owns the fp8 GEMVs).
+
+    python experiments/tune_moe.py [--shapes 35B 122B] [--prefill] [--m 4096] [--weights fp8] [--budget-s 210]
+        [--out PATH]
 """
 
 import argparse
@@ -25,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_moe import SHAPES, SMOKE_SHAPES, make_inputs, time_eager  # noqa: E402
 from benchlib import time_calls  # noqa: E402
 
+from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K  # noqa: E402
+from kernels.fp8 import FP8, quantize_rows  # noqa: E402
 from kernels.moe import triton as tri  # noqa: E402
 from kernels.tuned import gpu_config_path  # noqa: E402
 
@@ -43,27 +51,45 @@ PREFILL_UP = [(64, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 4), 
               (256, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 8, 3)]  # fmt: skip
 PREFILL_DOWN = [(128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3),
                 (256, 64, 8, 4), (256, 32, 8, 4)]  # fmt: skip
+# fp8 experts on the prefill path: FP8 x FP8, BLOCK_K = 128 always. The up tile holds two accumulators and their two
+# dot results beside the quantized activations: on sm_90 every up tile spills a little (ptxas: 64 x 128 on 8 warps
+# 76 B, 128 x 128 1.5 KB), the down tiles below do not, except 128 x 128 on 8 warps (224 B)
+PREFILL_FP8_BLOCK_M = (64, 128)
+PREFILL_FP8_UP = [(128, 128, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 128, 4, 4),
+                  (128, 128, 8, 4), (256, 128, 8, 3)]  # fmt: skip
+PREFILL_FP8_DOWN = [(128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (128, 128, 4, 3), (256, 128, 8, 3),
+                    (128, 128, 8, 4), (64, 128, 4, 4)]  # fmt: skip
 
 
 def launch(c):
     return dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
 
 
-def tune_m(M, s, weights, device, dtype):
-    """Best config for M tokens -> (config, µs)."""
+def fp8_candidates(kind: str, ups: list, downs: list) -> tuple[list, list]:
+    """The candidates fp8 experts can run: the tiled decode path steps at most one scale group (BLOCK_K <= 128), the
+    GEMV whole groups or divisors of one, the prefill FP8 x FP8 tiles exactly one (its own lists)."""
+    if kind == "prefill":
+        return PREFILL_FP8_UP, PREFILL_FP8_DOWN
+    fits = (lambda k: k <= SCALE_BLOCK_K) if kind == "decode" else (lambda k: k % SCALE_BLOCK_K == 0)
+    return [c for c in ups if fits(c[1])], [c for c in downs if fits(c[1])]
+
+
+def tune_m(M, s, weights, device, dtype, scales=(None, None, None)):
+    """Best config for M tokens -> (config, µs). scales: those of fp8 weights (w13, w2, shared_down)."""
     decode = M <= tri.DECODE_MAX_M
     n = 8 if decode else 2
     inputs = make_inputs(M, s, "uniform", n, dtype, device)
     w13, w2, shared_down = weights
+    fp8 = scales[0] is not None
 
     def measure(config):
         if decode:
-            call = lambda i: tri.moe_block_decode(*inputs[i], w13, w2, shared_down, s["K"], config=config)
+            call = lambda i: tri.moe_block_decode(*inputs[i], w13, w2, shared_down, s["K"], config, None, *scales)
         else:
             routed = [tri.route(p[:, : s["E"]], s["K"]) for _, p in inputs]
             call = lambda i: tri.fused_moe_into(
                 inputs[i][0], w13, w2, *routed[i], inputs[i][0].new_empty(M * s["K"], s["I"]),
-                inputs[i][0].new_empty(M * s["K"], s["H"]), config=config,
+                inputs[i][0].new_empty(M * s["K"], s["H"]), config, *scales[:2],
             )  # fmt: skip
         try:
             if device == "cuda":
@@ -74,12 +100,14 @@ def tune_m(M, s, weights, device, dtype):
             return float("inf")
 
     kind = "gemv" if M == 1 else "decode" if decode else "prefill"
-    default = tri.DEFAULT_CONFIGS[kind]
+    default = tri.get_config(M, s["E"], s["H"], s["I"], FP8 if fp8 else dtype) if fp8 else tri.DEFAULT_CONFIGS[kind]
     ups, downs, block_ms = {
         "gemv": (GEMV_UP, GEMV_DOWN, (1,)),
         "decode": (DECODE_UP, DECODE_DOWN, (16,)),
-        "prefill": (PREFILL_UP, PREFILL_DOWN, PREFILL_BLOCK_M),
+        "prefill": (PREFILL_UP, PREFILL_DOWN, PREFILL_FP8_BLOCK_M if fp8 else PREFILL_BLOCK_M),
     }[kind]
+    if fp8:
+        ups, downs = fp8_candidates(kind, ups, downs)
     candidates = [(bm, launch(u)) for bm in block_ms for u in ups]
     timed = [(measure({"BLOCK_M": bm, "up": up, "down": default["down"]}), bm, up) for bm, up in candidates]
     _, block_m, up = min(timed, key=lambda t: t[0])
@@ -92,6 +120,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["35B", "122B"], choices=list(SHAPES))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--weights", default="dense", choices=["dense", "fp8"],
+                        help="fp8: quantized experts, the table's float8_e4m3fn entries")  # fmt: skip
     parser.add_argument("--prefill", action="store_true", help="also re-tune the prefill buckets (M > 64)")
     parser.add_argument("--m", type=int, nargs="+", help="tune only these M values (keys of the tuned-M tables)")
     parser.add_argument("--budget-s", type=float, default=210.0, help="stop tuning new M values after this long")
@@ -120,12 +150,19 @@ def main():
             torch.randn(E, H, I, device=device, dtype=dtype, generator=gen) * I**-0.5,
             torch.randn(H, I, device=device, dtype=dtype, generator=gen) * I**-0.5,
         )
-        entry = table.setdefault(tri.shape_key(E, H, I, dtype), {})
+        scales = (None, None, None)
+        if args.weights == "fp8":  # expert by expert: quantize_rows' fp32 temporaries stay small at 122B
+            pairs = [[quantize_rows(w[e]) for e in range(E)] for w in weights[:2]]
+            pairs = [(torch.stack([q for q, _ in p]), torch.stack([sc for _, sc in p])) for p in pairs]
+            pairs.append(quantize_rows(weights[2]))
+            weights, scales = tuple(q for q, _ in pairs), tuple(sc for _, sc in pairs)
+            del pairs
+        entry = table.setdefault(tri.shape_key(E, H, I, FP8 if args.weights == "fp8" else dtype), {})
         for M, buckets in tune.items():
             if time.time() - t0 > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: {name} M={M} keeps its previous/default config")
                 continue
-            config, us = tune_m(M, s, weights, device, dtype)
+            config, us = tune_m(M, s, weights, device, dtype, scales)
             entry.update({str(b): config for b in buckets})
             print(f"{name} M={M:<5} {us:9.1f} us  {config}  ({time.time() - t0:.0f} s)", flush=True)
         del weights

@@ -21,12 +21,13 @@ kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the prod
 block by its row scale (the H200 tables: 1024-2048-column steps of 2-4 rows, lm_head 128 x 32); the dot path
 (BLOCK_K <= 128) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
 [BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
-(prefill) FP8 x FP8: a torch pre-pass quantizes x per (token, 128-wide K group) (kernels/fp8.quantize_rows, the
-weights' rule; Triton's interpreter converts to fp8 wrongly near powers of two, so a Triton pre-pass could not be
-checked on the CPU) and the dot path runs with ACT_FP8 on the fp8 tensor cores, each step's product scaled by the
-token's and the row's scales. Its error is the activations' quantization: ~2^-4 / sqrt(3) relative per element, a
-few % of a projection (tests bound it). QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs
-F.linear in x's dtype.
+(prefill) FP8 x FP8 in one launch: the dot path with QUANT_X (BLOCK_K = 128, one scale group per step) quantizes
+each [BLOCK_M, 128] activation tile in registers inside the K loop (kernels/fp8.quantize_tile: per (token,
+128-wide K group), the weights' rule, bit-identical to quantize_rows on the GPU), runs tl.dot on the two fp8 tiles
+(fp8 wgmma on sm_90) and scales the step's product by the token's and the row's scales. Every N tile re-quantizes
+its activation tiles (N / BLOCK_N times in all): no pre-pass, no fp8 copy of x. Its error is the activations'
+quantization: ~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
+QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs F.linear in x's dtype.
 
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
 QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
@@ -44,7 +45,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_rows
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_tile
 from kernels.launch import fast_launch
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -63,7 +64,11 @@ REDUCE_BLOCK = 1024
 MAX_NORM_BLOCK = 2048
 # M > MAX_M with an N that cuBLAS runs slowly (_prefill_gemm): the best of six tiles (gemm_alignment.py, H200)
 UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
-# M > MAX_M with fp8 weights: the FP8 x FP8 tile (fp8 tensor cores; 128 = one scale block per K step)
+# M > MAX_M with fp8 weights: the FP8 x FP8 tile with the activations quantized in its K loop (QUANT_X; BLOCK_K
+# must be 128, one activation and one weight scale per step). Not timed yet; picked from sm_90 compiles (ptxas):
+# 64 x 128 on 4 warps uses 238 registers and 88 KB of shared memory, no spill, so two programs fit an SM (one's
+# quantization can run under the other's wgmma); 128 x 128 on 8 warps spills 172 B, 64 x 256 on 8 warps fits
+# (231 registers, 136 KB) and quantizes each x tile half as often
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
 
@@ -115,7 +120,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict
     return tuned or default_config(M, N, K, num_sms, fp8=dtype == FP8)
 
 
-def check_config(config: dict, fp8: bool = False) -> None:
+def check_config(config: dict, fp8: bool = False, quantize_x: bool = False) -> None:
     """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
     if sorted(config) != sorted(CONFIG_KEYS):
         raise ValueError(f"linear config needs exactly the keys {CONFIG_KEYS}, got {sorted(config)}")
@@ -128,27 +133,34 @@ def check_config(config: dict, fp8: bool = False) -> None:
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
     if fp8 and bm != 1 and bk > SCALE_BLOCK_K:  # the GEMV splits its steps into 128-column sub-steps
         raise ValueError(f"linear config: fp8 on the dot path needs BLOCK_K <= {SCALE_BLOCK_K}: {config}")
+    if quantize_x and (not fp8 or bm == 1 or bk != SCALE_BLOCK_K):
+        raise ValueError(
+            f"linear config: quantize_x (FP8 x FP8) needs an fp8 weight and the dot path with BLOCK_K = "
+            f"{SCALE_BLOCK_K} (one activation scale group per K step), got fp8={fp8} and {config}"
+        )
 
 
-def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, act_fp8: bool = False) -> tuple:
+def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, quantize_x: bool = False) -> tuple:
     """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
     The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
-    splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short."""
-    check_config(config, fp8)
+    splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short.
+    quantize_x: FP8 x FP8 with x quantized in the K loop (fp8 weights, BLOCK_K = 128)."""
+    check_config(config, fp8, quantize_x)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
     split = triton.cdiv(k_blocks, blocks_per_split)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, ACT_FP8=act_fp8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, QUANT_X=quantize_x,
         SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(triton.next_power_of_2(K), MAX_NORM_BLOCK),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
 
 
-_PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the default) config
+_PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the default) config; FP8 x FP8 prefill
+# plans under (N, K, "fp8_prefill", M)
 
 
 def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -158,6 +170,15 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     if plan is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms), fp8=dtype == FP8)
+    return plan
+
+
+def fp8_prefill_plan(M: int, N: int, K: int) -> tuple:
+    """The plan of the FP8 x FP8 prefill product (FP8_PREFILL_CONFIG, activations quantized in the K loop)."""
+    key = (N, K, "fp8_prefill", M)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make_plan(M, N, K, FP8_PREFILL_CONFIG, fp8=True, quantize_x=True)
     return plan
 
 
@@ -263,18 +284,19 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
 @fast_launch
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
-    x_ptr, w_ptr, out_ptr, s_ptr, xs_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, k_per_split, SPLIT,
+    x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split, SPLIT,
     res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACT_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, SCALED: tl.constexpr, QUANT_X: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     SUB_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
     of the first N tile also write normed and the new residual for the layer's other readers).
     SCALED: w is fp8 with s [N, ceil(K / 128)] fp32 (s_ptr is unused otherwise): the GEMV runs _scaled_gemv; on
-    the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. ACT_FP8 (dot path, with
-    SCALED): x is fp8 too, with xs [M, ceil(K / 128)]."""
+    the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. QUANT_X (dot path, with
+    SCALED, BLOCK_K = 128): each [BLOCK_M, 128] tile of x is quantized in registers per (row, step) and the step
+    is an fp8 x fp8 tl.dot scaled by x's row scales and w's."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -356,10 +378,10 @@ def _linear_kernel(
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            if ACT_FP8:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
+            if QUANT_X:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
+                x_q, x_scale = quantize_tile(x)  # [BLOCK_M, 128] fp8, [BLOCK_M]; columns past K are 0
                 scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
-                x_scale = tl.load(xs_ptr + x_rows * stride_xsm + k // 128)  # [BLOCK_M]
-                acc += tl.dot(x, w) * (x_scale[:, None] * scale[None, :])
+                acc += tl.dot(x_q, w) * (x_scale[:, None] * scale[None, :])
             elif SCALED:  # e4m3 -> x's dtype is exact; the scale applies to this step's product
                 scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
                 if x.dtype == tl.float32:
@@ -417,28 +439,27 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
             )
 
 
-def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale=None, norm=None) -> torch.Tensor:
+def linear_into(x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None) -> torch.Tensor:
     """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
     NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None);
-    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight; x_scale: x is fp8 too (quantize_rows), with
-    these [M, ceil(K / 128)] scales (the dot path only: config BLOCK_M >= 16).
+    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight; quantize_x: FP8 x FP8, x quantized per (row,
+    128-wide K group) in the kernel's K loop (an fp8 weight and a dot-path config with BLOCK_K = 128; config None:
+    FP8_PREFILL_CONFIG).
     norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]), GEMV configs (BLOCK_M = 1) only:
     x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
     to hidden."""
     M, K = x.shape
     N = weight.shape[0]
-    fp8, act_fp8 = scale is not None, x_scale is not None
+    fp8 = scale is not None
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
-    if act_fp8 and (not fp8 or (config or {}).get("BLOCK_M", 16) < 16):
-        raise ValueError("linear_into: fp8 activations need an fp8 weight and the dot path (BLOCK_M >= 16)")
-    grid, split, k_per_split, meta = (
-        cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
-        if config is None
-        else make_plan(M, N, K, config, fp8, act_fp8)
-    )
+    if quantize_x and fp8 and config is None:
+        grid, split, k_per_split, meta = fp8_prefill_plan(M, N, K)
+    elif config is not None or quantize_x:  # make_plan checks the config (and refuses quantize_x without fp8)
+        grid, split, k_per_split, meta = make_plan(M, N, K, config or FP8_PREFILL_CONFIG, fp8, quantize_x)
+    else:
+        grid, split, k_per_split, meta = cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
     s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
-    xs, stride_xsm = (x_scale, x_scale.stride(0)) if act_fp8 else (s, 0)  # xs unused without ACT_FP8
     if norm is None:
         residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
     elif meta["BLOCK_M"] != 1:
@@ -450,8 +471,8 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, x_scale
     if split > 1 and workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](
-        x, weight, out if split == 1 else workspace, s, xs, M, N, K,
-        x.stride(0), weight.stride(0), stride_sn, stride_xsm, k_per_split, split,
+        x, weight, out if split == 1 else workspace, s, M, N, K,
+        x.stride(0), weight.stride(0), stride_sn, k_per_split, split,
         residual, norm_weight, normed, hidden, residual.stride(0), eps,
         NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
     )  # fmt: skip
@@ -481,11 +502,9 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":
+    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":  # FP8 x FP8, x quantized in the K loop
         out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-        rows = x.reshape(M, K)
-        x_q, x_scale = quantize_rows(rows)  # per (token, 128-wide group): the weights' rule, a torch pre-pass
-        linear_into(x_q, weight, out.view(M, N), FP8_PREFILL_CONFIG, scale=scale, x_scale=x_scale)
+        linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, quantize_x=True)
         return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
         weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast

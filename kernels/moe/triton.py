@@ -27,12 +27,17 @@ Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scatter
   A grid sized for the worst case skips blocks past the padded total.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
-on the tiled paths every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and applies
-it to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3). The M = 1 GEMVs load
-BLOCK_K columns per step (a multiple of 128, or a divisor) at once and apply one scale per row per 128-column
-sub-step to that sub-step's summed products, so a step keeps BLOCK_K columns of loads in flight (one round trip per
-128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one [BLOCK_N, Is] tile, take
-a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes on the torch path.
+on the tiled decode path every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and
+applies it to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3). The sorted
+prefill kernels run FP8 x FP8 instead (QUANT_A, BLOCK_K = 128): each [BLOCK_M, 128] step of the activations (x's
+token rows in up, h's pair rows in down) is quantized in registers per (row, 128-wide group) by the weights' rule
+(kernels/fp8.quantize_tile) and multiplied on the fp8 tensor cores, the step's product scaled by the rows' and the
+weight rows' scales; their error is the activations' quantization (~2.6 % relative, as linear's FP8 prefill).
+The M = 1 GEMVs load BLOCK_K columns per step (a multiple of 128, or a divisor) at once and apply one scale per row
+per 128-column sub-step to that sub-step's summed products, so a step keeps BLOCK_K columns of loads in flight (one
+round trip per 128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one
+[BLOCK_N, Is] tile, take a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes
+on the torch path.
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, weight dtype, M bucket);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
@@ -47,7 +52,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_tile
 from kernels.launch import fast_launch
 from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -82,6 +87,15 @@ DEFAULT_CONFIGS = {
         "up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     },
+    # M > 64 with fp8 experts: FP8 x FP8 (QUANT_A), BLOCK_K fixed at 128 (one activation and one weight scale group
+    # per step). Not timed yet (tune_moe.py --prefill --weights fp8); picked from sm_90 compiles (ptxas, 35B shape):
+    # up 64 x 128 on 8 warps spills 76 B (every up tile spills: two accumulators, two dot results and the gathered
+    # rows' 64-bit addresses; 128 x 128 spills 1.5 KB), down 64 x 128 on 8 warps 205 registers, no spill
+    "prefill_fp8": {
+        "BLOCK_M": 64,
+        "up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+        "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    },
 }
 RANK_CHUNK = 16  # tokens ranked per step in the decode up kernel: bounds its [tokens, E] compare tile
 
@@ -106,8 +120,10 @@ def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
     if tuned and (tuned["BLOCK_M"] == 1) == (M == 1):  # a GEMV entry only ever serves M = 1
         return tuned
-    gemv = "gemv_fp8" if dtype == FP8 else "gemv"
-    return DEFAULT_CONFIGS[gemv if M == 1 else "decode" if M <= DECODE_MAX_M else "prefill"]
+    fp8 = dtype == FP8
+    if M > DECODE_MAX_M:
+        return DEFAULT_CONFIGS["prefill_fp8" if fp8 else "prefill"]
+    return DEFAULT_CONFIGS[("gemv_fp8" if fp8 else "gemv") if M == 1 else "decode"]
 
 
 def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, shared_down_scale) -> tuple:
@@ -142,6 +158,16 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
             f"(whole scale blocks per sub-step): {config}"
         )
     return fp8
+
+
+def check_prefill_fp8_config(config: dict) -> None:
+    """The sorted prefill kernels with fp8 experts (QUANT_A) step exactly one 128-wide scale group per K step."""
+    steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
+    if steps != (SCALE_BLOCK_K, SCALE_BLOCK_K) or config["BLOCK_M"] < 16:
+        raise ValueError(
+            f"moe config: fp8 experts on the sorted prefill path (FP8 x FP8) need BLOCK_K = {SCALE_BLOCK_K} in up "
+            f"and down and BLOCK_M >= 16, got {config}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -801,20 +827,80 @@ def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOC
     return expert, pairs, pairs < P, row0 < tl.load(ends_ptr + E - 1)
 
 
+@triton.jit
+def _quantized_dot(a, w, acc, s_ptrs, k0):
+    """acc + (a @ w) as FP8 x FP8: a [BLOCK_M, 128] (activations, any float dtype; columns past K loaded as 0) is
+    quantized per row (fp8.quantize_tile), w [128, BLOCK_N] is fp8 with its columns' (output rows') scales at s_ptrs
+    (K block 0; the step at k0 is block k0 // 128); the step's product is scaled by both."""
+    a_q, a_scale = quantize_tile(a)
+    w_scale = tl.load(s_ptrs + k0 // 128)
+    return acc + tl.dot(a_q, w) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def _up_tile_fp8(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr):
+    """_up_tile with fp8 experts on the sorted prefill path (QUANT_A): the tokens' activations are quantized per
+    128-column step and both products are FP8 x FP8 (as in _quantized_dot); one quantization serves gate and up."""
+    tokens = (pairs // TOP_K).to(tl.int64)
+    n_mask = offs_n < I
+    kb = tl.cdiv(H, 128)
+    s_gate = s_ptr + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]; up rows are I further
+    acc_gate = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
+    acc_up = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
+    for k0 in range(0, H, 128):
+        offs_k = k0 + tl.arange(0, 128)
+        k_mask = offs_k < H
+        a = tl.load(x_ptr + tokens[:, None] * H + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a_q, a_scale = quantize_tile(a)
+        w_offs = offs_n[None, :] * H + offs_k[:, None]  # [128, BLOCK_N], gate rows; up rows are I further
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_gate = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+        w_up = tl.load(w_ptr + I * H + w_offs, mask=w_mask, other=0.0)
+        s_g, s_u = tl.load(s_gate + k0 // 128), tl.load(s_gate + I * kb + k0 // 128)
+        acc_gate += tl.dot(a_q, w_gate) * (a_scale[:, None] * s_g[None, :])
+        acc_up += tl.dot(a_q, w_up) * (a_scale[:, None] * s_u[None, :])
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    h_offs = pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
+    tl.store(h_ptr + h_offs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_acc_fp8(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
+    """_down_acc with fp8 experts on the sorted prefill path (QUANT_A): h's pair rows quantized per 128-column
+    step, FP8 x FP8 (_quantized_dot) -> [BLOCK_M, BLOCK_N] fp32."""
+    rows = pairs.to(tl.int64)
+    n_mask = offs_n < H
+    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(I, 128)  # [BLOCK_N]
+    acc = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
+    for k0 in range(0, I, 128):
+        offs_k = k0 + tl.arange(0, 128)
+        k_mask = offs_k < I
+        a = tl.load(h_ptr + rows[:, None] * I + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _quantized_dot(a, w, acc, s_ptrs, k0)
+    return acc
+
+
 @fast_launch
 @triton.jit
 def _moe_up_sorted_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):  # fmt: skip
+    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. QUANT_A: the
+    experts are fp8 and the activations are quantized in the K loop (FP8 x FP8; BLOCK_K = 128)."""
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-        s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
-        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, EXPERTS_FP8)
+        if QUANT_A:
+            tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
+            s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
+            _up_tile_fp8(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
+        else:
+            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, w13_s_ptr, TOP_K, BLOCK_K, False)
 
 
 @fast_launch
@@ -822,15 +908,20 @@ def _moe_up_sorted_kernel(
 def _moe_down_sorted_kernel(
     h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):  # fmt: skip
-    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype."""
+    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. QUANT_A: fp8 experts, h quantized
+    in the K loop (FP8 x FP8; BLOCK_K = 128)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
-        s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
-        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, EXPERTS_FP8)
+        if QUANT_A:
+            tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
+            s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
+            acc = _down_acc_fp8(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+        else:
+            acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, w2_s_ptr, BLOCK_K, False)
         rows = pairs.to(tl.int64)
         scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
         out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
@@ -888,6 +979,8 @@ def routed_partials_into(
     config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, w13.dtype)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     fp8, _ = check_scales(config, w13, w2, None, w13_scale, w2_scale, None)
+    if fp8:
+        check_prefill_fp8_config(config)
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if fp8 else (w13, w2)  # unread if dense
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
@@ -896,11 +989,11 @@ def routed_partials_into(
     num_blocks, block_e = sorted_pairs.numel() // block_m, triton.next_power_of_2(E)
     _moe_up_sorted_kernel[(triton.cdiv(I, up["BLOCK_N"]), num_blocks)](
         x, w13, h, sorted_pairs, ends, P, E, H, I, w13_s,
-        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, EXPERTS_FP8=fp8, **up,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, QUANT_A=fp8, **up,
     )  # fmt: skip
     _moe_down_sorted_kernel[(triton.cdiv(H, down["BLOCK_N"]), num_blocks)](
         h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s,
-        BLOCK_E=block_e, BLOCK_M=block_m, EXPERTS_FP8=fp8, **down,
+        BLOCK_E=block_e, BLOCK_M=block_m, QUANT_A=fp8, **down,
     )  # fmt: skip
     return partials
 

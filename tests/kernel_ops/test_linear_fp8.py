@@ -1,6 +1,8 @@
 """The dense projection with FP8 weights (kernels/fp8.py layout) against the dequantized weight in float64: both
 kernel paths, split-K across scale-block boundaries, N and K not multiples of 128, the cuBLAS hand-over, fused row
-slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16)."""
+slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16). Above 64 rows FP8 x FP8 (QUANT_X: the
+activations quantized in the K loop), against the same quantization in float64 on interpreter-safe activations
+(tests/helpers.fp8_interpreter_safe), bf16 included (its dot is on fp8 tiles)."""
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from kernels.fp8 import dequantize, quantize_rows
 from kernels.linear import naive
 from kernels.linear import triton as lin
-from tests.helpers import poisoned, rel_err
+from tests.helpers import fp8_interpreter_safe, poisoned, quantized_activations, rel_err
 
 # The weight is exactly its fp8 values times the scales, so the only error is the arithmetic's.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -62,8 +64,9 @@ def test_fp8_linear_default_configs_and_reference(M):
     128) and naive.linear, across the hand-over
     (above 64 rows the activations are quantized too: compared with the same quantization in the reference)."""
     x, q, scale = make(M, 70, 300, torch.float32, seed=M)
+    x = fp8_interpreter_safe(x) if M > lin.MAX_M else x
     ref = reference(x, q, scale)
-    act_ref = act_quantized(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
+    act_ref = quantized_activations(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
     assert rel_err(lin.linear(x, q, scale), act_ref) < TOL[torch.float32]
     assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
     assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= (1024 if M == 1 else 128)
@@ -100,38 +103,124 @@ def test_fp8_linear_gpu_bf16(N, K, M):
     ref = x.float() @ dequantize(q, scale).T
     out = lin.linear(x, q, scale)
     if M > lin.MAX_M:  # FP8 x FP8: exact up to bf16 rounding on the quantized activations; a few % on x itself
-        assert rel_err(out, ref) < 6e-2
-        ref = act_quantized(x.float()).float() @ dequantize(q, scale).T
+        assert rel_err(out, ref) < ACT_QUANT_TOL
+        ref = quantized_activations(x.float()).float() @ dequantize(q, scale).T
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
     graph, replayed = captured(lambda: lin.linear(x, q, scale))
     graph.replay()
     torch.testing.assert_close(replayed, out, rtol=0, atol=0)
 
 
-def act_quantized(x):
-    """x with each (token, 128-wide group) quantized as the FP8 prefill does (kernels/fp8.quantize_rows's rule)."""
-    q, s = quantize_rows(x)
-    return dequantize(q, s, torch.float64)
-
-
+@pytest.mark.gpu
 @pytest.mark.parametrize(
-    "M,N,K",
-    [(65, 40, 300), (130, 33, 128), (70, 130, 100)],
-    ids=["M 65 K tail", "two M tiles, one K block", "K < 128, N two row tiles"],
-)
-def test_fp8_prefill_quantizes_activations_per_token_group(M, N, K):
-    """M > 64: FP8 x FP8. Against the product of the per-group quantized activations and the weight: only fp32
-    summation error; against the unquantized activations: the activations' FP8 rounding (~2^-4 / sqrt(3) per
-    element, so a few % of the output), the op's stated error."""
-    x, q, scale = make(M, N, K, torch.float32, seed=M)
-    x[3] *= 1e3  # one token far larger than the others: its groups' scales are its own
-    x[5, : min(K, 128)] = 0  # an all-zero group (scale 1)
+    "N,K", [(12352, 2048), (9216, 2048), (1281, 2048), (2048, 4096), (2048, 512), (1000, 1000)],
+    ids=["gdn_in", "attn_qkv", "moe_in", "gdn_out", "shared_down", "N and K tails"],
+)  # fmt: skip
+@pytest.mark.parametrize("M", [4096, 1000])
+def test_fp8_prefill_gpu_35b(N, K, M):
+    """The FP8 x FP8 prefill compiled for the GPU (fp8 wgmma, activations quantized in the K loop) at the 35B
+    projection shapes, bf16: against fp32 on the activations quantized by quantize_rows (the tile's quantization is
+    bit-identical to it, so only accumulation order and bf16 output rounding differ); bit-reproducible; one launch."""
+    gen = torch.Generator(device="cuda").manual_seed(N + K + M)
+    x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+    x[7] *= 100
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
     out = lin.linear(x, q, scale)
+    ref = quantized_activations(x.float()).float() @ dequantize(q, scale).T
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    assert rel_err(out, x.float() @ dequantize(q, scale).T) < ACT_QUANT_TOL
+    assert torch.equal(lin.linear(x, q, scale), out)
+    assert gpu_kernels(lambda: lin.linear(x, q, scale)) == ["_linear_kernel"]
+
+
+def gpu_kernels(fn) -> list[str]:
+    """The names of the GPU kernels fn() launches (torch.profiler's trace, as qmoe.runtime.profile reads it)."""
+    import json
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return [e["name"] for e in events if e.get("cat") == "kernel"]
+
+
+# FP8 x FP8 against the unquantized activations: e4m3 keeps 3 mantissa bits, so rounding moves an element by up to
+# half a step, 2^-4 of its value at the bottom of a binade and 2^-5 at its top, uniformly: 2^-4 / sqrt(3) = 3.6 % RMS
+# relative down to 1.8 %, ~2.6 % over a binade (measured: 2.5 % per element on randn). A dot product of many such
+# errors of random sign has about the same relative error (measured 2.1-2.9 % on these shapes). 5 % leaves room for
+# short K (few terms) without hiding a wrong scale (a scale of the wrong group or token is off by 50x or 100x here).
+ACT_QUANT_TOL = 0.05
+# FP8 x FP8 against float64 on the same quantized activations: the fp8 products are exact in fp32, so what is left is
+# fp32 accumulation, and the output's rounding to fp16 (2^-11) or bf16 (the interpreter truncates: 2^-8)
+QUANT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def prefill_x(M, K, dtype, seed):
+    """Activations for the FP8 x FP8 path: random, one token 100x the others (its groups' scales are its own), an
+    all-zero group (scale 1), a group led by a negative value; interpreter-safe (exact comparisons on the CPU)."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    x[3] *= 100  # (fp16 outputs stay finite)
+    x[5, : min(K, 128)] = 0
+    x[6, 1] = -40.0
+    return fp8_interpreter_safe(x.to(dtype))
+
+
+# (M, N, K, config, reason): BLOCK_K = 128 (one activation and one weight scale group per step)
+QUANT_CASES = [
+    (65, 40, 300, config(16, 16, 128), "M 65: 5 row tiles, the last 1 row; K = 128 + 128 + 44, N tail"),
+    (130, 33, 256, config(64, 32, 128, SPLIT_K=2), "split-K, one group per split; 3 row tiles, the last 2 rows"),
+    (70, 130, 100, config(32, 64, 128), "K < 128: one padded group; N = 130, 3 row tiles"),
+    (100, 48, 640, config(32, 16, 128, SPLIT_K=3), "split-K of 5 groups into splits of 2, 2, 1"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K,cfg,reason", QUANT_CASES, ids=[c[-1].split(":")[0] for c in QUANT_CASES])
+def test_fp8_prefill_quantizes_activations_in_the_k_loop(M, N, K, cfg, reason, dtype):
+    """linear_into(quantize_x=True): FP8 x FP8 with each (token, 128-wide group) of x quantized in the kernel, into
+    NaN-filled outputs and split-K workspaces. Against the per-group quantized activations times the weight: only
+    the accumulation's and the output's rounding; against the unquantized activations: the activations' FP8
+    rounding, the op's stated error."""
+    x, q, scale = make(M, N, K, torch.float32, seed=M + K)
+    x = prefill_x(M, K, dtype, seed=M + N)
+    _, split, _, meta = lin.make_plan(M, N, K, cfg, fp8=True, quantize_x=True)
+    assert meta["QUANT_X"]
+    out = poisoned(M, N, dtype=dtype)
+    ws = poisoned(split, M, N) if split > 1 else None
+    lin.linear_into(x, q, out, config=cfg, workspace=ws, scale=scale, quantize_x=True)
     w = dequantize(q, scale, torch.float64)
-    assert rel_err(out, act_quantized(x) @ w.T) < 1e-5
-    assert rel_err(out, x.double() @ w.T) < 0.05
-    assert rel_err(out[3:4], x[3:4].double() @ w.T) < 0.05  # the large token does not swamp the others' scales
-    assert rel_err(out[:3], x[:3].double() @ w.T) < 0.05
+    assert rel_err(out, quantized_activations(x) @ w.T) < QUANT_TOL[dtype], reason
+    assert rel_err(out, x.double() @ w.T) < ACT_QUANT_TOL, reason
+    assert rel_err(out[3:4], x[3:4].double() @ w.T) < ACT_QUANT_TOL, "the large token"
+    assert rel_err(out[:3], x[:3].double() @ w.T) < ACT_QUANT_TOL, "the others: not swamped by the large token"
+
+
+@pytest.mark.parametrize("M,N,K", [(65, 40, 300), (300, 24, 128)], ids=["M 65", "M 300: 3 default row tiles"])
+def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K):
+    """linear() above 64 rows with an fp8 weight: one launch of the default FP8 x FP8 tile (FP8_PREFILL_CONFIG),
+    no torch pre-pass."""
+    x, q, scale = make(M, N, K, torch.float32, seed=M)
+    x = prefill_x(M, K, torch.float32, seed=K)
+    out = lin.linear(x, q, scale)
+    assert rel_err(out, quantized_activations(x) @ dequantize(q, scale, torch.float64).T) < QUANT_TOL[torch.float32]
+    grid, split, _, meta = lin.fp8_prefill_plan(M, N, K)
+    assert meta["QUANT_X"] and meta["BLOCK_K"] == 128 and split == 1
+    assert grid == (-(-M // lin.FP8_PREFILL_CONFIG["BLOCK_M"]) * -(-N // lin.FP8_PREFILL_CONFIG["BLOCK_N"]),)
+
+
+def test_fp8_prefill_configs_are_checked():
+    """QUANT_X runs one activation scale group per K step: any BLOCK_K but 128 is refused in one line, as are the
+    GEMV path and a weight that is not fp8."""
+    for bad in (config(64, 64, 64), config(64, 64, 32, SPLIT_K=2), config(1, 8, 128)):
+        with pytest.raises(ValueError, match=r"quantize_x \(FP8 x FP8\) needs an fp8 weight and the dot path with "
+                           r"BLOCK_K = 128"):  # fmt: skip
+            lin.make_plan(65, 40, 300, bad, fp8=True, quantize_x=True)
+    x, q, scale = make(65, 40, 300, torch.float32)
+    with pytest.raises(ValueError, match=r"got fp8=False"):
+        lin.linear_into(x, dequantize(q, scale), torch.empty(65, 40), quantize_x=True)
 
 
 def test_fp8_prefill_can_dequantize_instead(monkeypatch):

@@ -1,6 +1,9 @@
 """The Triton MoE block with FP8 weights (kernels/fp8.py layout) against the reference on the dequantized weights in
 float64: GEMV (M = 1), decode (M <= 64) and the sorted prefill path, experts in FP8 with the shared expert in FP8 or
-not (the two checkpoint formats), several scale blocks along every K, empty experts, poisoned scratch."""
+not (the two checkpoint formats), several scale blocks along every K, empty experts, poisoned scratch. The sorted
+prefill kernels run FP8 x FP8 (x and h quantized in their K loops): against sorted_fp8_reference, the same
+quantization in float64, with the interpreter's fp32 -> e4m3 conversion made exact (tests/helpers.py: h is computed
+in the kernel, so no input data can keep its quantization clear of the interpreter's wrong cases)."""
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 from kernels.fp8 import dequantize, quantize_rows
 from kernels.moe import naive
 from kernels.moe import triton as moe
-from tests.helpers import poisoned, rel_err
+from tests.helpers import exact_fp8_interpreter, poisoned, quantized_activations, rel_err
 from tests.kernel_ops.test_moe import decode_poisoned, make_routing, same_experts
 
 # fp8 weights are exact; the only error is the arithmetic's (fp16: the activations and h round as in the dense path)
@@ -119,27 +122,82 @@ def test_fp8_moe_block_gemv(H, E, I, Is, K, up_k, down_k, router, dtype, shared_
     assert rel_err(out, reference(args, scales, K)) < TOL[dtype], reason
 
 
-@pytest.mark.parametrize("dtype", [F32, F16])
-def test_fp8_fused_moe_sorted(dtype):
-    """The prefill path: 40 tokens, 2 of 6 experts empty, NaN scratch."""
-    M, H, E, I, K = 40, 160, 6, 136, 2
-    args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, dtype, shared_fp8=False)
-    x, _, w13, w2, _ = args
-    weights, ids = make_routing(M, E, K, experts=[0, 1, 3, 5])
-    h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
-    out = moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, FP8_SMALL, s13, s2)
+def sorted_fp8_reference(x, w13, s13, w2, s2, weights, ids, h=None):
+    """The FP8 x FP8 prefill experts in float64 -> (h [P, I], partials [P, H]): x quantized per (token, 128-wide
+    group), h = silu(x_q @ gate^T) * (x_q @ up^T), partial = weight * h_q @ w2^T with h_q the quantization of `h`
+    (the kernel's own h, as the down kernel reads it) or, without it, of the reference h rounded to x's dtype."""
     f64 = torch.float64
-    ref = naive.fused_moe(x.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), weights.double(), ids)
-    assert rel_err(out, ref) < TOL[dtype]
+    K, I = ids.shape[1], w2.shape[2]
+    e = ids.flatten()
+    a = quantized_activations(x).repeat_interleave(K, 0)  # [P, H], pair p = t * K + k
+    gate_up = torch.einsum("ph,pnh->pn", a, dequantize(w13, s13, f64)[e])  # [P, 2I]
+    gate, up = gate_up[:, :I], gate_up[:, I:]
+    ref_h = torch.nn.functional.silu(gate) * up
+    h_q = quantized_activations(ref_h.to(x.dtype) if h is None else h)
+    partials = torch.einsum("pi,phi->ph", h_q, dequantize(w2, s2, f64)[e]) * weights.flatten().double()[:, None]
+    return ref_h, partials
+
+
+# Tiles for the interpreter: BLOCK_K 128 (fixed on this path), several row blocks per expert, N tails
+PREFILL_FP8_SMALL = {
+    "BLOCK_M": 16,
+    "up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1},
+}
+# FP8 x FP8 against the unquantized experts: x's quantization (~2.6 % RMS, tests/kernel_ops/test_linear_fp8.py) reaches
+# h through both gate and up, and h's own adds to it: measured 4.3-4.7 % on these and larger shapes
+PREFILL_ACT_TOL = 0.08
+# (M, H, E, I, K, experts used, reason); H = 300 is 128 + 128 + 44 columns, I = 136 is 128 + 8
+PREFILL_CASES = [
+    (40, 300, 6, 136, 2, [0, 1, 3, 5], "2 of 6 experts empty; H and I tails; 80 pairs in blocks of 16"),
+    (37, 128, 8, 256, 2, [2, 7], "two experts take every token: 2 full blocks and a 5-row tail each"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("M,H,E,I,K,experts,reason", PREFILL_CASES, ids=[c[-1].split(";")[0] for c in PREFILL_CASES])
+def test_fp8_sorted_prefill_is_fp8_x_fp8(M, H, E, I, K, experts, reason, dtype):
+    """The sorted prefill kernels with fp8 experts, NaN scratch: the up kernel's h against float64 on the quantized
+    activations, the down kernel's partials against float64 on the quantization of the kernel's own h (each stage
+    exact but for fp32 accumulation and the stores' rounding), and the whole against the unquantized experts."""
+    args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, dtype, shared_fp8=False, seed=M + I)
+    x, _, w13, w2, _ = args
+    weights, ids = make_routing(M, E, K, experts=experts, seed=M)
+    h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
+    with exact_fp8_interpreter():
+        moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, PREFILL_FP8_SMALL, s13, s2)
+    ref_h, _ = sorted_fp8_reference(x, w13, s13, w2, s2, weights, ids)
+    assert rel_err(h, ref_h) < TOL[dtype], reason
+    _, ref_partials = sorted_fp8_reference(x, w13, s13, w2, s2, weights, ids, h=h)
+    assert rel_err(partials, ref_partials) < TOL[dtype], reason
+    f64 = torch.float64
+    exact = naive.fused_moe(x.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), weights.double(), ids)
+    assert rel_err(partials.view(M, K, H).double().sum(1), exact) < PREFILL_ACT_TOL, reason
+
+
+def test_fp8_sorted_prefill_configs_are_checked():
+    """FP8 x FP8 steps one 128-wide scale group per K step: a prefill config with another BLOCK_K is one line."""
+    M, H, E, I, K = 40, 300, 6, 136, 2
+    args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, F32, shared_fp8=False)
+    x, _, w13, w2, _ = args
+    weights, ids = make_routing(M, E, K)
+    h, partials = poisoned(M * K, I), poisoned(M * K, H)
+    for bad in (FP8_SMALL, {**PREFILL_FP8_SMALL, "down": {**PREFILL_FP8_SMALL["down"], "BLOCK_K": 64}}):
+        with pytest.raises(ValueError, match=r"sorted prefill path \(FP8 x FP8\) need BLOCK_K = 128 in up and down"):
+            moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, bad, s13, s2)
+    assert moe.get_config(4096, E, H, I, torch.float8_e4m3fn) is moe.DEFAULT_CONFIGS["prefill_fp8"]
 
 
 @pytest.mark.parametrize("M", [1, 3, 65], ids=["M1 gemv_fp8", "M3 decode", "M65 prefill"])
 def test_fp8_moe_block_default_configs(M):
-    """The public op with its default configs (fp8 GEMV: BLOCK_K 1024 up, 512 down, past H = 300 and I = 136),
-    and the torch reference given fp8 weights."""
+    """The public op with its default configs (fp8 GEMV: BLOCK_K 1024 up, 512 down, past H = 300 and I = 136; the
+    prefill's FP8 x FP8 tiles: the routed experts' activations quantized, the shared expert dequantized), and the
+    torch reference given fp8 weights."""
     args, scales = fp8_block_args(M, 300, 6, 136, 40, torch.float32, shared_fp8=True, seed=M)
     ref = reference(args, scales, 2)
-    assert rel_err(moe.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
+    with exact_fp8_interpreter():
+        out = moe.moe_block(*args, 2, *scales)
+    assert rel_err(out, ref) < (PREFILL_ACT_TOL if M > moe.DECODE_MAX_M else TOL[torch.float32])
     assert rel_err(naive.moe_block(*args, 2, *scales), ref) < TOL[torch.float32]
 
 
@@ -179,7 +237,7 @@ def test_fp8_moe_block_gpu_35b(M, shared_fp8):
     f32 = torch.float32
     shared32 = shared.float() if s_shared is None else dequantize(shared, s_shared)
     ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
-    assert rel_err(out, ref) < 2e-2
+    assert rel_err(out, ref) < (PREFILL_ACT_TOL if M > moe.DECODE_MAX_M else 2e-2)  # prefill: FP8 x FP8 experts
     assert torch.equal(moe.moe_block(*args, K, *scales), out)
 
 
@@ -206,3 +264,40 @@ def test_fp8_moe_gemv_gpu_wide_steps(H, I, up_k, down_k):
         x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), dequantize(shared, s_shared), K
     )
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4096, 300])
+def test_fp8_sorted_prefill_gpu_35b(M):
+    """The FP8 x FP8 sorted kernels compiled for the GPU at the 35B shape (E 256, H 2048, I 512, top-8) in bf16, on the
+    default prefill_fp8 tiles, NaN scratch: h against fp32 on the quantized activations, the partials against fp32
+    on the quantization of the kernel's own h (the tile's quantization is bit-identical to quantize_rows, so only
+    accumulation order and bf16 rounding differ); bit-reproducible."""
+    torch.manual_seed(M)
+    E, H, I, K = 256, 2048, 512, 8
+    x = torch.randn(M, H, device="cuda").bfloat16()
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
+    weights, ids = moe.route(torch.randn(M, E, device="cuda"), K)
+    h, partials = (
+        poisoned(M * K, I, dtype=torch.bfloat16, device="cuda"),
+        poisoned(M * K, H, dtype=torch.bfloat16, device="cuda"),
+    )
+    moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, None, s13, s2)
+    f32 = torch.float32
+    e = ids.flatten()
+    a = quantized_activations(x.float()).float().repeat_interleave(K, 0)
+    gate_up = torch.cat([torch.bmm(a[e == j][None], dequantize(w13[j], s13[j], f32).T[None])[0] for j in range(E)])
+    order = torch.cat([torch.nonzero(e == j).flatten() for j in range(E)])
+    ref_h = torch.empty(M * K, 2 * I, device="cuda")
+    ref_h[order] = gate_up
+    ref_h = torch.nn.functional.silu(ref_h[:, :I]) * ref_h[:, I:]
+    assert rel_err(h, ref_h) < 1e-2
+    h_q = quantized_activations(h.float()).float()
+    down = torch.cat([h_q[e == j] @ dequantize(w2[j], s2[j], f32).T for j in range(E)])
+    ref_p = torch.empty(M * K, H, device="cuda")
+    ref_p[order] = down
+    assert rel_err(partials, ref_p * weights.flatten()[:, None]) < 1e-2
+    again = poisoned(M * K, H, dtype=torch.bfloat16, device="cuda")
+    moe.routed_partials_into(x, w13, w2, weights, ids, h.clone(), again, None, s13, s2)
+    assert torch.equal(again, partials)
