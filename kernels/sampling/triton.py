@@ -135,7 +135,9 @@ def _stats_kernel(
         if any_sampled:
             ref_old = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
             ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
-            total = total * tl.exp2((ref_old - ref) * c) + tl.exp2((x - ref) * c)
+            # an empty slot (total 0) must not rescale by exp2(-ref * c), which overflows at low temperature
+            rescale = tl.where(best == float("-inf"), 0.0, tl.exp2((ref_old - ref) * c))
+            total = total * rescale + tl.exp2((x - ref) * c)
             finite = (x > float("-inf")) & (x < float("inf"))
             n_finite += finite.to(tl.int32)
             x_min = tl.minimum(x_min, tl.where(finite, x, float("inf")))
@@ -301,12 +303,12 @@ def _sort_descending(keys, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr
     interpreter runs element by element)."""
     for stage in tl.static_range(1, LOG_N + 1):
         for sub in tl.static_range(stage):
-            S: tl.constexpr = 1 << (stage - 1 - sub)  # compare i with i + S, in blocks of 2 S
-            y = tl.reshape(keys, (R, N // (2 * S), 2, S))
+            # compare i with i + 2^(stage - 1 - sub), in blocks of twice that
+            y = tl.reshape(keys, (R, N >> (stage - sub), 2, 1 << (stage - 1 - sub)))
             half = tl.arange(0, 2)[None, None, :, None]
-            left = tl.sum(tl.where(half == 0, y, 0), 2)  # [R, N / (2 S), S]
+            left = tl.sum(tl.where(half == 0, y, 0), 2)  # [R, blocks, 2^(stage - 1 - sub)]
             right = tl.sum(tl.where(half == 1, y, 0), 2)
-            outer = tl.arange(0, N // (2 * S))[None, :, None]
+            outer = tl.arange(0, N >> (stage - sub))[None, :, None]
             desc = ((outer >> sub) & 1) == 0  # bitonic blocks of 2^stage alternate; the last stage descends
             first = tl.where(desc, tl.maximum(left, right), tl.minimum(left, right))
             second = tl.where(desc, tl.minimum(left, right), tl.maximum(left, right))
@@ -746,11 +748,11 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     block_c = min(block, 1024)  # launch 2 keeps more per slot: 4 tokens per thread (88 registers on sm_90)
     block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
     if cap is None:  # the list never needs more than V slots
-        cap = min(1024, triton.next_power_of_2(V))
+        cap = max(2, min(1024, triton.next_power_of_2(V)))
     assert cap >= 2 and cap & (cap - 1) == 0, "cap must be a power of 2 (the finish's sorting network)"
     log_cap = cap.bit_length() - 1
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
-        tile = max(block * nt, cap * 4, block_r * bins)  # the largest [R, ., .] tile of the kernels, per row
+        tile = max(block * nt, cap * 4, block_r * bins, nt * 32)  # the largest [R, ., .] tile of the kernels, per row
         rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // tile))
     if split is None:  # spread every pass over ~2048 programs (bytes in flight), chunks of at least a block
         split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
