@@ -35,6 +35,8 @@ depends on a global generator, so CUDA graph replay is safe. The torch version c
 Philox bits (it uses its own hash), so the two agree exactly on greedy and in distribution otherwise.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,9 @@ from kernels.sampling.naive import INVALID_TOKEN
 LOG2E = tl.constexpr(1.4426950408889634)
 INVALID = tl.constexpr(INVALID_TOKEN)
 KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
+# tl.sort's xor reductions run element by element in the CPU interpreter (minutes for the tests' batches); there
+# the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
+SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SPLIT_MAX = 128  # programs per row, at most
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
@@ -298,9 +303,11 @@ def _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: 
 
 @triton.jit
 def _sort_descending(keys, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    """[R, N] keys (int32 or float, no NaN) sorted along the last axis, largest first: a bitonic network from
-    reshapes, sums over a pair axis and joins (the same network as tl.sort, whose xor reductions the CPU
-    interpreter runs element by element)."""
+    """[R, N] keys (int32 or float, no NaN) sorted along the last axis, largest first: tl.sort on the GPU; in the
+    CPU interpreter (SORT_NETWORK) a bitonic network from reshapes, sums over a pair axis and joins (tl.sort's
+    network, whose xor reductions the interpreter runs element by element; test_sort_network_is_tl_sort)."""
+    if not SORT_NETWORK:
+        return tl.sort(keys, 1, descending=True)
     for stage in tl.static_range(1, LOG_N + 1):
         for sub in tl.static_range(stage):
             # compare i with i + 2^(stage - 1 - sub), in blocks of twice that
