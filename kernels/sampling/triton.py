@@ -452,6 +452,10 @@ def _gather_count_kernel(
     hist = tl.zeros((R * NB_HIST,), tl.int32)  # tokens per bucket b = #{j: x >= t_j}; row r's at r * NB_HIST + b
     mass = tl.zeros((R, NT), tl.float32)
     mass_spec = tl.zeros((R, BLOCK), tl.float32)
+    SW: tl.constexpr = NT + 1
+    sbase = (rows * split + chunk) * SW  # this chunk's partials; its thresholds until the loop ends
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], thr, mask=row_ok[:, None])
+    tl.debug_barrier()  # every thread's stores before the loads in the loop
     chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
@@ -463,8 +467,8 @@ def _gather_count_kernel(
         _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
         mass_spec += tl.where(take, p, 0.0)
         bucket = tl.zeros((R, BLOCK), tl.int32)
-        for t in tl.static_range(NT):
-            bucket += (x >= tl.sum(tl.where(j == t, thr, 0.0), 1)[:, None]).to(tl.int32)
+        for t in tl.static_range(NT):  # thresholds reread from the chunk's slot (L1): fewer live registers
+            bucket += (x >= tl.load(search_f_ptr + sbase + t, mask=row_ok, other=0.0)[:, None]).to(tl.int32)
         hist += tl.histogram(tl.reshape(bucket + (tl.arange(0, R) * NB_HIST)[:, None], (R * BLOCK,)), R * NB_HIST,
                              mask=tl.reshape(msk, (R * BLOCK,)))  # fmt: skip
         if use_mass:
@@ -475,8 +479,7 @@ def _gather_count_kernel(
     hist2 = tl.reshape(hist, (R, NB_HIST))
     b = tl.arange(0, NB_HIST)
     cnt = tl.sum(tl.where(b[None, None, :] >= NT - j[None, :, None], hist2[:, None, :], 0), 2)  # [R, NT]
-    SW: tl.constexpr = NT + 1
-    sbase = (rows * split + chunk) * SW  # this chunk's partials
+    tl.debug_barrier()  # every thread's loads of the thresholds before they are overwritten
     tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
     tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
     tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec, 1), mask=row_ok)
