@@ -11,8 +11,9 @@ min-p 0.05 alone on "llm" (typical) and "flat" (the widest kept sets) at B = 1 a
 
 Before timing, every case is checked on the GPU: greedy and top-k 1 tokens equal the argmax, sampled tokens lie
 in the kept set of the float64 reference filter (kernels/sampling/naive.py), and no row is left unfinished by the
-radix rounds (the rows that took them and their rounds go to the JSON: "radix_rows", "max_rounds"; peaked, ties
-and flat rows take them). A failed check aborts (exit 1).
+radix rounds. Where each row finished goes to the JSON ("paths": launch 2's list, launch 3's regather, the radix
+rounds, the race alone; "radix_rows", "max_rounds"): the target mode should never take the rounds. A failed
+check aborts (exit 1).
 
 Each call is timed inside one CUDA graph of many calls on inputs rotated over > 200 MB (logits come from HBM,
 not L2); the copy ceiling is measured in the same run. The JSON reports per B the typical ("llm") and the
@@ -51,9 +52,15 @@ SHAPES = {"flat": 1.0, "llm": 1.0, "peaked": 1.0, "zipf": 1.0, "ties": 1.0, "mas
 SHAPES["llm_T5"] = 5.0  # shape -> temperature
 TARGET_US = {1: (20.0, 40.0), 256: (150.0, 300.0)}  # B -> (typical, worst) for the target mode, fp32
 GREEDY_VS_ARGMAX = 1.2
-BINS_SWEEP = (64, 256)  # radix thresholds per round besides the default 16: 2 x (6, 4) round launches, not 2 x 8
+BINS_SWEEP = (16, 256)  # radix thresholds per round besides the default 64: 2 x (8, 4) round launches, not 2 x 6
 BF16_VS_FP32 = 1.2
 RUNTIME_S = 180.0
+PATHS = {  # how the rows of a case finished (fused.S_PATH): the launch that drew their token
+    "list": fused.PATH_LIST.value,  # launch 2's speculative list held the cut
+    "regather": fused.PATH_REGATHER.value,  # launch 3, from a regather at a counted threshold
+    "radix": fused.PATH_RADIX.value,  # the radix rounds, then the race launch
+    "race": fused.PATH_RACE.value,  # the race launch alone (no filter, or min-p over > CAP tokens)
+}
 GRAPH_US = 30_000  # calls per CUDA graph: at most this much work (the runtime stays < 3 min on slow cases)
 
 
@@ -147,10 +154,11 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
     radix = {}
     if mode != "greedy":  # which rows took the radix rounds, how many rounds, and that every one finished
         state = torch.empty(B, fused.N_STATE.value, dtype=torch.int64, device=device)
-        fused.launch(inputs[0], *params, seed, step, state=state, bins=bins or 16)
-        phase = state[:, fused.S_PHASE.value]
+        fused.launch(inputs[0], *params, seed, step, state=state, bins=bins)
+        phase, path = state[:, fused.S_PHASE.value], state[:, fused.S_PATH.value]
         rounds = state[:, fused.S_ROUNDS_K.value] + state[:, fused.S_ROUNDS_P.value]
-        radix = {"radix_rows": int((phase == fused.PHASE_RACE.value).sum()), "max_rounds": int(rounds.max())}
+        paths = {name: int((path == value).sum()) for name, value in PATHS.items()}
+        radix = {"radix_rows": paths["radix"], "max_rounds": int(rounds.max()), "paths": paths}
         if ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any():
             error = error or f"{mode}: rows left unfinished by the radix rounds"
     if error:
@@ -245,7 +253,7 @@ def main():
     )  # fmt: skip
 
     print(f"V = {V} on {device}, copy ceiling {copy_gbs:.0f} GB/s; us per call (CUDA graph, logits from HBM)")
-    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7} {'radix':>6}")
+    print(f"{'mode':>15} {'shape':>10} {'B':>4} {'dtype':>9} {'triton':>9} {'baseline':>9} {'floor':>7}  paths")
     for r in (r for r in rows if r["impl"] == "triton"):
         base = next(
             (b for b in rows if b["impl"] != "triton" and all(b[k] == r[k] for k in ("mode", "B", "dtype", "logits"))),
@@ -254,7 +262,7 @@ def main():
         base_s = f"{base['us']:9.1f}" if base else f"{'-':>9}"
         print(
             f"{r['mode']:>15} {r['logits']:>10} {r['B']:>4} {r['dtype']:>9}",
-            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f} {r.get('radix_rows', '-'):>6}",
+            f"{r['us']:9.1f} {base_s} {r['floor_us']:7.1f}  {r.get('paths', '-')}",
         )
     print(f"{'B':>4} {'typical':>9} {'worst':>9} {'(shape)':>10} {'torch sort':>10} {'greedy':>8} {'argmax':>8}")
     for B, s in summary.items():

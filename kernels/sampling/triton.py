@@ -6,31 +6,28 @@ argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
-not need costs its programs a few loads. 5 + 2 * rounds_per_phase(bins) launches (21 with 16 bins):
+not need costs its programs a few loads. 4 + 2 * rounds_per_phase(bins) launches (16 with the default 64 bins),
+all with Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one's tail):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
-   the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit and the number of
-   finite logits -> a small workspace. It also zeroes the rows' arrival counters of the later launches.
-2. `_speculative_gather_kernel` (filtered rows): every program combines the chunk stats, then gathers every
-   x >= s of its chunk into the chunk's own CAP slots (token order) and sums their p.
-3. `_threshold_count_kernel`: every program sums the gather's partials in chunk order (the same decisions
-   everywhere, on every call) and keeps the gather if s proves to be at or below the cut (min-p: p(s) <
-   min_p; top-p: the tokens with normalised p < (1 - top_p) / V carry less than 1 - top_p of the mass; top-k:
-   at least k tokens gathered) and at most CAP tokens came. Rows where it missed count (and weigh, for top-p
-   without top-k) x >= s_j at NT logit thresholds spread geometrically between the max and the smallest
-   logit; rows without a filter run the exponential race over the chunk instead.
-4. `_finish_kernel`: rows where the gather missed regather each chunk at the highest threshold provably at or
-   below the cut holding at most CAP tokens. The row's last program to arrive (atomic counter, no waiting)
-   finds the exact top-k / top-p / min-p cut on the <= CAP gathered logits in registers (bisection of their
-   keys) and draws the token by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i). Rows
-   whose kept set may exceed CAP (flat rows, large k, ties at the cut, a k-th value in a flat tail) get a
-   radix state instead: top-k phase, top-p phase, or (min-p alone, closed form) straight to the race.
-5. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches: each narrows the row's bracket of
-   order-preserving int32 keys around the cut by a factor `bins` (every program counts / weighs its chunk at
-   `bins` thresholds, the row's last program to arrive sums the partials in chunk order and picks the bin),
-   top-k's cut first, then top-p's within the top-k set. A bracket of one key is the cut (ties kept).
-6. `_race_kernel`: rows with a cut from the rounds race over their kept x in every program; the last program
-   to arrive takes the best of the chunks.
+   the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit, the number, sum and sum
+   of squares of the finite logits -> a small workspace. It also zeroes the rows' counters of the later launches.
+2. `_gather_count_kernel` (one pass): every program combines the chunk stats, gathers every x >= s (a
+   speculative threshold) of its chunk into the row's list of CAP slots (slot from an atomic counter: the list's
+   order does not matter, see 5.), and counts (and, for top-p without top-k, weighs) x >= t_j at NT thresholds
+   (half geometric between the max and the smallest logit, half at the logits where a normal fit of the row
+   predicts k/2 .. 8 CAP tokens above). The row's last program to arrive sums the partials in chunk order and
+   decides: the list holds the cut (s at or below it, <= CAP tokens) -> finish (5.) now; else a threshold t_j
+   at or below the cut with <= CAP tokens above -> regather there (3.); else the radix rounds (4.), starting
+   from the bracket between the two thresholds around the cut. Rows without a filter race over the row here.
+3. `_regather_kernel` (one pass, rows sent to it): gathers x >= t_j into the list; the last program finishes.
+4. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches, for rows whose kept set may exceed CAP: each
+   narrows the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut
+   first, then top-p's within the top-k set; `_race_kernel` then draws among the kept x of every chunk.
+5. The finish (`_finish_from_list`, in the row's last program): sorts the <= CAP keys of the list in
+   registers, takes the k-th key (top-k), then the first sorted position whose mass before it reaches top_p
+   times the top-k set's mass (top-p), keeps every token at or above the cuts (ties kept) and with p >= min_p,
+   and draws by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i), lowest index on ties.
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
@@ -38,18 +35,25 @@ depends on a global generator, so CUDA graph replay is safe. The torch version c
 Philox bits (it uses its own hash), so the two agree exactly on greedy and in distribution otherwise.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 import kernels
 from kernels.launch import fast_launch
+from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.sampling.naive import INVALID_TOKEN
 
 # Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
 LOG2E = tl.constexpr(1.4426950408889634)
 INVALID = tl.constexpr(INVALID_TOKEN)
-SPLIT_MAX = 64  # programs per row, at most
+KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
+# tl.sort's xor reductions run element by element in the CPU interpreter (minutes for the tests' batches); there
+# the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
+SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+SPLIT_MAX = 128  # programs per row, at most
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
@@ -85,47 +89,46 @@ def _load_block(base, off, V, row_ok, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bisect_tile(keys, p, lo, hi, kth, target, USE_MASS: tl.constexpr, NT: tl.constexpr):
-    """_bisect_key on a [R, CAP] tile of keys and probabilities held in registers."""
-    j = tl.arange(0, NT)
-    while tl.max((hi - lo > 1).to(tl.int32)) > 0:
-        live = hi - lo > 1
-        thr = lo[:, None] + ((hi - lo)[:, None] * (j[None, :] + 1)) // (NT + 1)
-        ge = keys[:, :, None] >= thr[:, None, :]  # [R, CAP, NT]
-        if USE_MASS:
-            ok = tl.sum(tl.where(ge, p[:, :, None], 0.0), 1) >= target[:, None]
-        else:
-            ok = tl.sum(ge.to(tl.int32), 1) >= kth[:, None]
-        lo = tl.where(live, tl.max(tl.where(ok, thr, lo[:, None]), 1), lo)
-        hi = tl.where(live, tl.min(tl.where(ok, hi[:, None], thr), 1), hi)
-    return lo
+def _key_value(key):
+    """The inverse of _ordered_key: int32 key -> fp32."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+# the row's counters (int32 [N_COUNTERS + rounds + 1, B]), zeroed by the stats launch: arrivals and list fill of
+# launches 2 and 3, then one per radix round and the race
+C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST = (tl.constexpr(i) for i in range(4))
+N_COUNTERS = 4
+N_STATS_F = tl.constexpr(5)  # per chunk: max, sum of p relative to it, smallest finite logit, sum x, sum x^2
+N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
     logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, n_counters, split,
-    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr,
+    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """1. stats of one chunk of R rows -> part_f [B, split, 3] (max, sum of p relative to it, smallest finite
-    logit) and part_i [B, split, 3] (first argmax, finite count, NaN flag); zeroes the rows' arrival counters
-    (counter_ptr [n_counters, B]: one per later launch that has arrivals)."""
+    """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I);
+    zeroes the rows' counters (counter_ptr [n_counters, B]). Every statistic is kept per slot of the block and
+    reduced once after the loop (no cross-warp reduction inside it)."""
+    allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
     chunk = tl.program_id(1)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    wait_for_producers(PDL)
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
     sampled = row_ok & (temperature > 0)
-    c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
+    c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), LOG2E)[:, None]  # > 0: no 0 * inf below
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
-    # greedy's max / argmax / NaN flag per slot, reduced once after the loop; sampled rows' sums per block
-    best = tl.full((R, BLOCK), float("-inf"), tl.float32)
+    best = tl.full((R, BLOCK), float("-inf"), tl.float32)  # per slot: max, its earliest index, NaN seen
     best_idx = tl.zeros((R, BLOCK), tl.int32) + V
     nan_slots = tl.zeros((R, BLOCK), tl.int32)
-    m_run = tl.full((R,), float("-inf"), tl.float32)
-    total = tl.zeros((R,), tl.float32)  # sum of exp2((x - m_run) * c)
-    n_finite = tl.zeros((R,), tl.int32)
-    x_min = tl.full((R,), float("inf"), tl.float32)
+    total = tl.zeros((R, BLOCK), tl.float32)  # sum of exp2((x - ref) * c), ref = the slot's max (0 if infinite)
+    n_finite = tl.zeros((R, BLOCK), tl.int32)
+    x_min = tl.full((R, BLOCK), float("inf"), tl.float32)
+    s1 = tl.zeros((R, BLOCK), tl.float32)
+    s2 = tl.zeros((R, BLOCK), tl.float32)
     chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
     for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
@@ -133,24 +136,35 @@ def _stats_kernel(
         nan = x != x
         nan_slots |= nan.to(tl.int32)
         x = tl.where(nan, float("-inf"), x) + 0.0
+        m_new = tl.maximum(best, x)
+        if any_sampled:
+            ref_old = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
+            ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
+            # an empty slot (total 0) must not rescale by exp2(-ref * c), which overflows at low temperature
+            rescale = tl.where(best == float("-inf"), 0.0, tl.exp2((ref_old - ref) * c))
+            total = total * rescale + tl.exp2((x - ref) * c)
+            finite = (x > float("-inf")) & (x < float("inf"))
+            n_finite += finite.to(tl.int32)
+            x_min = tl.minimum(x_min, tl.where(finite, x, float("inf")))
+            xf = tl.where(finite, x, 0.0)
+            s1 += xf
+            s2 += xf * xf
         up = x > best  # strict: a slot keeps its earliest index on ties
         best_idx = tl.where(up, cols[None, :], best_idx)
-        best = tl.where(up, x, best)
-        if any_sampled:
-            m_new = tl.maximum(m_run, tl.max(x, 1))
-            ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
-            total = total * tl.exp2((m_run - ref) * c) + tl.sum(tl.exp2((x - ref[:, None]) * c[:, None]), 1)
-            m_run = m_new
-            finite = x > float("-inf")
-            n_finite += tl.sum(finite.to(tl.int32), 1)
-            x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), 1))
+        best = m_new
     m = tl.max(best, 1)
-    part = (rows * split + chunk) * 3
+    ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
+    ref_slot = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
+    scale = tl.where(best == float("-inf"), 0.0, tl.exp2((ref_slot - ref[:, None]) * c))
+    part = (rows * split + chunk) * N_STATS_F
     tl.store(part_f_ptr + part, m, mask=row_ok)
-    tl.store(part_f_ptr + part + 1, total, mask=row_ok)  # relative to this chunk's max
-    tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
+    tl.store(part_f_ptr + part + 1, tl.sum(total * scale, 1), mask=row_ok)  # relative to this chunk's max
+    tl.store(part_f_ptr + part + 2, tl.min(x_min, 1), mask=row_ok)
+    tl.store(part_f_ptr + part + 3, tl.sum(s1, 1), mask=row_ok)
+    tl.store(part_f_ptr + part + 4, tl.sum(s2, 1), mask=row_ok)
+    part = (rows * split + chunk) * N_STATS_I
     tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
-    tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
+    tl.store(part_i_ptr + part + 1, tl.sum(n_finite, 1), mask=row_ok)
     tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
     first_chunk = row_ok & (rows * 0 + chunk == 0)
     for i in range(n_counters):  # nothing persists between calls
@@ -159,22 +173,32 @@ def _stats_kernel(
 
 @triton.jit
 def _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT: tl.constexpr):
-    """The row stats from its chunks' (written by the previous launch)."""
+    """The row stats from its chunks' (written by the stats launch) -> max, first argmax, sum of p, smallest
+    finite logit, finite count, NaN flag, mean and standard deviation of the finite logits."""
     sp = tl.arange(0, SPLIT)
-    parts = (rows[:, None] * split + sp[None, :]) * 3  # [R, SPLIT]
     pm = row_ok[:, None] & (sp < split)[None, :]
+    parts = (rows[:, None] * split + sp[None, :]) * N_STATS_F  # [R, SPLIT]
     ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"))
     m = tl.max(ms, 1)
-    args = tl.load(part_i_ptr + parts, mask=pm, other=V)
-    arg = tl.min(tl.where(ms == m[:, None], args, V), 1).to(tl.int64)  # the first chunk holding the max
     ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
     totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0)
     scale = tl.where(ms == float("-inf"), 0.0, tl.exp2((ms - ref[:, None]) * c[:, None]))
     total = tl.sum(totals * scale, 1)  # chunk sums are relative to their own max
     x_min = tl.min(tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf")), 1)
+    s1 = tl.sum(tl.load(part_f_ptr + parts + 3, mask=pm, other=0.0), 1)
+    s2 = tl.sum(tl.load(part_f_ptr + parts + 4, mask=pm, other=0.0), 1)
+    parts = (rows[:, None] * split + sp[None, :]) * N_STATS_I
+    args = tl.load(part_i_ptr + parts, mask=pm, other=V)
+    arg = tl.min(tl.where(ms == m[:, None], args, V), 1).to(tl.int64)  # the first chunk holding the max
     n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0), 1).to(tl.int64)
     has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0), 1)
-    return m, arg, total, x_min, n_finite, has_nan
+    n = tl.maximum(n_finite, 1).to(tl.float32)
+    mean = s1 / n
+    std = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
+    # only a guide for thresholds (huge logits overflow x^2): anything not finite falls back to the range
+    mean = tl.where((mean == mean) & (tl.abs(mean) < float("inf")), mean, 0.5 * m + 0.5 * x_min)
+    std = tl.where((std == std) & (std < float("inf")), std, 0.25 * (m - x_min))
+    return m, arg, total, x_min, n_finite, has_nan, mean, std
 
 
 # runtime values that would otherwise compile a variant each time they hit 1 (B = 1, strides of broadcast scalars)
@@ -187,7 +211,7 @@ def _row_setup(
     logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
     min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """What every search pass knows of its R rows: parameters, row stats (launch 1) and which filters are on."""
+    """What the gather / count pass knows of its R rows: parameters, row stats (launch 1), which filters are on."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
@@ -198,7 +222,9 @@ def _row_setup(
     sampled = row_ok & (temperature > 0)
     # log2(e) / T, so p = exp2((x - max) * c); T clamped so that c stays finite
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), 0.0)
-    m, arg, total, x_min, n_finite, has_nan = _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT)
+    m, arg, total, x_min, n_finite, has_nan, mean, std = _combine_stats(
+        part_f_ptr, part_i_ptr, rows, row_ok, split, tl.where(sampled, c, LOG2E), V, SPLIT
+    )
     invalid = (has_nan > 0) | (m == float("-inf"))
     token = tl.where(invalid, INVALID, arg)  # greedy; an +inf logit wins (first one)
     active = sampled & ~invalid & (m < float("inf"))
@@ -207,298 +233,354 @@ def _row_setup(
     mp_on = active & (min_p > 0.0)
     filtered = k_on | p_on | mp_on
     unfiltered = active & ~filtered  # plain softmax: the race over the row, no cut
-    return rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered
+    top_k = tl.where(k_on, top_k, 0)
+    top_p = tl.where(p_on, top_p, 1.0)
+    min_p = tl.where(mp_on, min_p, 0.0)
+    return (rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on,
+            mp_on, filtered, unfiltered)  # fmt: skip
 
 
 @triton.jit
-def _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered):
-    """The speculative gather's threshold, checked after the pass: min-p: p(spec) ~ min_p / 2 < min_p; top-p:
-    tokens with p / total < tail hold < 1 - top_p of the mass; top-k: a guess (that tail at top_p 0.9), kept
-    if at least k tokens are at or above it. +inf for rows without a filter."""
+def _normal_threshold(mean, std, n, want):
+    """The logit above which a normal fit N(mean, std^2) of n logits predicts `want` of them (Abramowitz-Stegun
+    26.2.23 for the quantile, |error| < 4.5e-4 in z: only a guide, every count is exact)."""
+    q = want / tl.maximum(n, 1).to(tl.float32)
+    qq = tl.minimum(tl.maximum(tl.minimum(q, 1.0 - q), 1e-12), 0.5)
+    t = tl.sqrt(-2.0 * tl.log(qq))
+    z = t - (2.515517 + 0.802853 * t + 0.010328 * t * t) / (1.0 + t * (1.432788 + t * (0.189269 + 0.001308 * t)))
+    return mean + std * tl.where(q > 0.5, -z, z)
+
+
+@triton.jit
+def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on, mp_on,
+                           filtered, CAP: tl.constexpr):  # fmt: skip
+    """The speculative gather's threshold, checked after the pass. top-k: where the normal fit predicts
+    max(2k, CAP / 4) tokens (at most (k + CAP) / 2), kept if at least k came; else min-p: p(spec) ~ min_p / 2 <
+    min_p; top-p: tokens with p / total < (1 - top_p) / V hold < 1 - top_p of the mass. +inf for rows without
+    a filter."""
     tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
     spec = m + tl.log2(tail * total) / c
     spec_min_p = m + (tl.log2(tl.where(mp_on, min_p, 1.0)) - 1.0) / c
-    spec = tl.where(mp_on & ~k_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
-    return tl.where(filtered, tl.minimum(spec, m), float("inf"))  # the max is always kept
+    spec = tl.where(mp_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
+    k = top_k.to(tl.float32)
+    want = tl.minimum(tl.maximum(2.0 * k, CAP / 4), (k + CAP) * 0.5)
+    spec = tl.where(k_on, _normal_threshold(mean, std, n_finite, want), spec)
+    spec = tl.where(spec == spec, spec, x_min)
+    return tl.where(filtered, tl.minimum(tl.maximum(spec, x_min), m), float("inf"))  # the max is always kept
 
 
 @triton.jit
-def _gather_outcome(search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec,
-                    k_on, p_on, mp_on, filtered, unfiltered, CAP: tl.constexpr, NT: tl.constexpr,
-                    SPLIT: tl.constexpr):  # fmt: skip
-    """The speculative gather's partials of all chunks, summed in chunk order (the same decision in every
-    program, on every call) -> per-chunk counts [R, SPLIT], rows whose gather holds the cut, rows that missed."""
-    sp = tl.arange(0, SPLIT)
-    parts = (rows[:, None] * split + sp[None, :]) * (NT + 3)  # [R, SPLIT]
-    pm = (filtered | unfiltered)[:, None] & (sp < split)[None, :]
-    n_chunk = tl.load(search_i_ptr + parts + NT, mask=pm, other=0)  # [R, SPLIT]
-    n_spec = tl.sum(n_chunk, 1)
-    mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0), 1)
-    spec_ok = tl.where(
-        k_on, n_spec >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
-    )
-    gathered = filtered & spec_ok & (n_spec <= CAP)
-    return sp, parts, pm, n_chunk, gathered, filtered & ~gathered
+def _count_thresholds(
+    m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr
+):
+    """[R, NT] decreasing logit thresholds in [min, max]: NT / 2 geometric, max - (max - min) * 2^((j + 1 - NT / 2)
+    / 2), and NT / 2 where the normal fit predicts geometrically spaced counts (top-k: k / 2 .. 8 CAP; else
+    16 .. n_finite)."""
+    j = tl.arange(0, NT)
+    HALF: tl.constexpr = NT // 2
+    geo = m[:, None] - (m - x_min)[:, None] * tl.exp2((j[None, :] + 1 - HALF).to(tl.float32) * 0.5)
+    lo_c = tl.where(k_on, tl.maximum(top_k.to(tl.float32) * 0.5, 1.0), 16.0)
+    hi_c = tl.where(k_on, 8.0 * CAP, n_finite.to(tl.float32))
+    i = tl.maximum(j - HALF, 0).to(tl.float32) / (HALF - 1)
+    want = lo_c[:, None] * tl.exp2(tl.log2(tl.maximum(hi_c / lo_c, 1.0))[:, None] * i[None, :])
+    fit = _normal_threshold(mean[:, None], std[:, None], n_finite[:, None], want)
+    thr = tl.where(j[None, :] < HALF, geo, fit)
+    thr = tl.minimum(tl.maximum(tl.where(thr == thr, thr, x_min[:, None]), x_min[:, None]), m[:, None])
+    thr = tl.where(filtered[:, None], thr, 0.0)
+    return _sort_descending(thr, thr.shape[0], NT, LOG_NT)
 
 
 @triton.jit
-def _geometric_thresholds(m, x_min, NT: tl.constexpr):
-    """[R, NT] decreasing logit thresholds s_0 = max, s_j = max - (max - min) * 2^((j + 1 - NT) / 2)."""
-    j = tl.arange(0, NT)
-    frac = tl.where(j == 0, 0.0, tl.exp2((j + 1 - NT).to(tl.float32) * 0.5))
-    return tl.maximum(m[:, None] - (m - x_min)[:, None] * frac[None, :], x_min[:, None])
+def _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
+    """Appends the taken x (and their token ids) to their rows' lists of CAP slots; the slot comes from the row's
+    list counter (the list's order is free: the finish sorts it and breaks race ties by token id)."""
+    pos = tl.atomic_add(list_ptr + rows[:, None] + cols[None, :] * 0, 1, mask=take, sem="relaxed")
+    at = rows[:, None].to(tl.int64) * CAP + pos
+    ok = take & (pos < CAP)
+    tl.store(buf_val_ptr + at, x, mask=ok)
+    tl.store(buf_idx_ptr + at, cols[None, :] + pos * 0, mask=ok)
 
 
-@fast_launch
-@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
-def _speculative_gather_kernel(
-    logits_ptr, stride_row, B, V,
-    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
-    seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
-):  # fmt: skip
-    """2. Filtered rows: every x >= spec of this chunk into the chunk's own CAP slots (token order), and the
-    count and mass of what came -> search partials."""
-    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
-        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
-    )  # fmt: skip
-    chunk = tl.program_id(1)
-    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
-    sbase = (rows * split + chunk) * (NT + 3)  # this chunk's partials
-    region = (rows * split + chunk).to(tl.int64)[:, None] * CAP  # this chunk's slots
-    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-    start = chunk * chunk_len
-    mass_spec_slots = tl.zeros((R, BLOCK), tl.float32)
-    n_spec = tl.zeros((R,), tl.int32)
-    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
-    for off in range(start, stop, BLOCK):
-        x, cols, msk = _load_block(base, off, V, filtered, BLOCK)  # active rows have no NaN
-        p = tl.exp2((x - m[:, None]) * c[:, None])
-        take = (x >= spec[:, None]) & msk
-        pos = n_spec[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
-        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-        n_spec += tl.sum(take.to(tl.int32), 1)
-        mass_spec_slots += tl.where(take, p, 0.0)
-    tl.store(search_i_ptr + sbase + NT, n_spec, mask=row_ok)
-    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec_slots, 1), mask=row_ok)
+@triton.jit
+def _sort_descending(keys, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """[R, N] keys (int32 or float, no NaN) sorted along the last axis, largest first: tl.sort on the GPU; in the
+    CPU interpreter (SORT_NETWORK) a bitonic network from reshapes, sums over a pair axis and joins (tl.sort's
+    network, whose xor reductions the interpreter runs element by element; test_sort_network_is_tl_sort)."""
+    if not SORT_NETWORK:
+        return tl.sort(keys, 1, descending=True)
+    for stage in tl.static_range(1, LOG_N + 1):
+        for sub in tl.static_range(stage):
+            # compare i with i + 2^(stage - 1 - sub), in blocks of twice that
+            y = tl.reshape(keys, (R, N >> (stage - sub), 2, 1 << (stage - 1 - sub)))
+            half = tl.arange(0, 2)[None, None, :, None]
+            left = tl.sum(tl.where(half == 0, y, 0), 2)  # [R, blocks, 2^(stage - 1 - sub)]
+            right = tl.sum(tl.where(half == 1, y, 0), 2)
+            outer = tl.arange(0, N >> (stage - sub))[None, :, None]
+            desc = ((outer >> sub) & 1) == 0  # bitonic blocks of 2^stage alternate; the last stage descends
+            first = tl.where(desc, tl.maximum(left, right), tl.minimum(left, right))
+            second = tl.where(desc, tl.minimum(left, right), tl.maximum(left, right))
+            keys = tl.reshape(tl.permute(tl.join(first, second), (0, 1, 3, 2)), (R, N))
+    return keys
 
 
-@fast_launch
-@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
-def _threshold_count_kernel(
-    logits_ptr, stride_row, B, V,
-    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
-    seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
-):  # fmt: skip
-    """3. Rows whose gather missed: counts (and masses, for top-p without top-k) of x >= s_j at NT geometric
-    thresholds over this chunk. Rows without a filter: the exponential race over this chunk."""
-    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
-        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
-    )  # fmt: skip
-    chunk = tl.program_id(1)
-    seed = tl.load(seed_ptr + rows * seed_stride, mask=row_ok, other=0).to(tl.int64)
-    step = tl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(tl.int64)
-    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
-    sp, parts, pm, n_chunk, gathered, counted = _gather_outcome(
-        search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec, k_on, p_on, mp_on,
-        filtered, unfiltered, CAP, NT, SPLIT,
-    )  # fmt: skip
-    thr = _geometric_thresholds(m, x_min, NT)
-    j = tl.arange(0, NT)
-    use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
-    any_unfiltered = tl.max(unfiltered.to(tl.int32)) > 0
-    sbase = (rows * split + chunk) * (NT + 3)
-    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-    start = chunk * chunk_len
-    cnt = tl.zeros((R, NT), tl.int32)
-    mass = tl.zeros((R, NT), tl.float32)
-    race_slots = tl.full((R, BLOCK_T), float("-inf"), tl.float32)
-    race_idx = tl.zeros((R, BLOCK_T), tl.int32) + V
-    stop = tl.where(tl.max((counted | unfiltered).to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
-    for off in range(start, stop, BLOCK_T):  # [R, BLOCK_T, NT] tiles: a smaller block
-        x, cols, msk = _load_block(base, off, V, counted | unfiltered, BLOCK_T)
-        ge = (x[:, :, None] >= thr[:, None, :]) & msk[:, :, None]  # [R, BLOCK_T, NT]
-        cnt += tl.sum(ge.to(tl.int32), 1)
-        if use_mass:
-            p = tl.exp2((x - m[:, None]) * c[:, None])
-            mass += tl.sum(tl.where(ge, p[:, :, None], 0.0), 1)
-        if any_unfiltered:
-            keep = unfiltered[:, None] & msk & (x > float("-inf"))
-            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
-            race = tl.where(keep, race, float("-inf"))
-            up = race > race_slots  # strict: a slot keeps its earliest index on ties
-            race_idx = tl.where(up, cols[None, :], race_idx)
-            race_slots = tl.where(up, race, race_slots)
-    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
-    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
-    race_best = tl.max(race_slots, 1)
-    tl.store(search_f_ptr + sbase + NT + 1, race_best, mask=row_ok)
-    race_tok = tl.min(tl.where(race_slots == race_best[:, None], race_idx, V), 1)
-    tl.store(search_i_ptr + sbase + NT + 1, race_tok, mask=row_ok)
+@triton.jit
+def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
+                      mp_on, seed, step, CAP: tl.constexpr, LOG_CAP: tl.constexpr):  # fmt: skip
+    """The exact cuts and the draw for rows `fin`, whose list holds n_buf <= CAP tokens including every token at or
+    above the cut. Sorts the keys in registers (descending): top-k's cut is the k-th key; top-p's is the key at
+    the last sorted position whose mass before it is < top_p * z (z: the top-k set's mass, else the row's);
+    every token at or above both cuts with p >= min_p races; the largest race key wins, lowest token id on ties.
+    -> int64 tokens [R]."""
+    slot = tl.arange(0, CAP)
+    valid = fin[:, None] & (slot[None, :] < n_buf[:, None])
+    at = rows[:, None].to(tl.int64) * CAP + slot[None, :]
+    vals = tl.load(buf_val_ptr + at, mask=valid, other=float("-inf"), volatile=True) + 0.0
+    idx = tl.load(buf_idx_ptr + at, mask=valid, other=0, volatile=True)
+    keys = tl.where(valid, _ordered_key(vals), KEY_MIN)
+    srt = _sort_descending(keys, rows.shape[0], CAP, LOG_CAP)  # the list's n_buf keys first
+    listed = valid & (srt > KEY_MIN)
+    p_srt = tl.where(listed, tl.exp2((_key_value(srt) - m[:, None]) * c[:, None]), 0.0)
+    kth = (tl.minimum(tl.maximum(top_k, 1), n_buf) - 1).to(tl.int32)
+    key_k = tl.where(k_on, tl.sum(tl.where(slot[None, :] == kth[:, None], srt, 0), 1), KEY_MIN)
+    in_k = listed & (srt >= key_k[:, None])
+    p_k = tl.where(in_k, p_srt, 0.0)
+    z = tl.where(k_on, tl.sum(p_k, 1), total)
+    before = tl.cumsum(p_k, 1) - p_k  # mass strictly before each sorted position
+    n_p = tl.maximum(tl.sum((in_k & (before < (top_p * z)[:, None])).to(tl.int32), 1), 1)
+    key_p = tl.sum(tl.where(slot[None, :] == (n_p - 1)[:, None], srt, 0), 1)
+    cut = tl.where(p_on, tl.maximum(key_p, key_k), key_k)
+    keep = valid & (keys >= cut[:, None])
+    keep &= tl.exp2((vals - m[:, None]) * c[:, None]) >= min_p[:, None]  # min_p 0 when off
+    race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), float("-inf"))
+    best = tl.max(race, 1)
+    return tl.min(tl.where(keep & (race == best[:, None]), idx, 2**31 - 1), 1).to(tl.int64)
 
 
-# the radix state of a row (int64 [B, N_STATE] and fp32 [B, N_STATE]), written by the row's last program to
-# arrive in launch 4 and in each radix round, read by every program of the row in the next launch
-PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed the radix rounds)
+# the state of a row (int64 [B, N_STATE] and fp32 [B, N_STATE]), written by the row's last program to arrive in
+# launches 2 to 4, read by every program of the row in the next launch
+PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed more than launch 2)
 PHASE_TOP_K = tl.constexpr(1)  # rounds narrow [lo, hi] to the k-th largest key
 PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within the top-k set
 PHASE_RACE = tl.constexpr(3)  # the cut is known: the race launch draws the token (the state stays at this)
-# int64 columns: phase, bracket, cut (the kept keys are >= it), k, key of the max, rounds run per phase
-S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P = (tl.constexpr(i) for i in range(8))
-F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P = (tl.constexpr(i) for i in range(5))  # fp32 columns
-N_STATE = tl.constexpr(8)
+PHASE_REGATHER = tl.constexpr(4)  # launch 3 regathers x >= F_S and finishes the row
+# int64 columns: phase, bracket, cut (the kept keys are >= it), k (0: off), key of the max, rounds run per phase,
+# the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it)
+S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH = (tl.constexpr(i) for i in range(9))
+PATH_STATS = tl.constexpr(0)  # greedy, NaN, all -inf or +inf rows: the stats' answer
+PATH_LIST = tl.constexpr(2)  # the speculative gather held the cut: finished by launch 2
+PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a regather at a counted threshold
+PATH_RADIX = tl.constexpr(4)  # the radix rounds found the cut, the race launch drew
+PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over more than CAP tokens): the race launch
+# fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: set by the first top-p round), min_p
+# (0: off), the regather threshold, the row's sum of p
+F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P, F_S, F_TOTAL = (tl.constexpr(i) for i in range(7))
+N_STATE = tl.constexpr(9)
+
+
+@triton.jit
+def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec,
+                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP: tl.constexpr,
+                   NT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The partials of launch 2 summed in chunk order by the row's last program -> (list size, rows whose list
+    holds the cut, rows to regather and the threshold, rows for the radix rounds and their bracket [lo, hi] of
+    keys)."""
+    SW: tl.constexpr = NT + 1
+    sp = tl.arange(0, SPLIT)
+    j = tl.arange(0, NT)
+    pm = last[:, None] & (sp < split)[None, :]
+    parts = (rows[:, None] * split + sp[None, :]) * SW  # [R, SPLIT]
+    n_list = tl.load(counter_ptr + C_COUNT_LIST * B + rows, mask=last, other=0, volatile=True)
+    mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0, volatile=True), 1)
+    pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
+    parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
+    cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0, volatile=True), 1)  # [R, NT]
+    mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0, volatile=True), 1)
+    spec_ok = tl.where(
+        k_on, n_list >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
+    )
+    listed = last & filtered & spec_ok & (n_list <= CAP)
+    # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
+    p_of_thr = tl.exp2((thr - m[:, None]) * c[:, None])
+    below_cut = tl.where(
+        k_on[:, None],
+        cnt >= top_k[:, None],
+        (p_on[:, None] & (mass >= (top_p * total)[:, None])) | (mp_on[:, None] & (p_of_thr < min_p[:, None])),
+    )
+    usable = below_cut & (cnt <= CAP)
+    s = tl.max(tl.where(usable, thr, float("-inf")), 1)  # the highest usable threshold: the fewest tokens
+    regather = last & filtered & ~listed & (s > float("-inf"))
+    radix = last & filtered & ~listed & ~regather
+    # the radix bracket: between the highest threshold at or below the cut and the lowest one above it
+    at_or_below = tl.where(k_on[:, None], cnt >= top_k[:, None], mass >= (top_p * total)[:, None])
+    lo_x = tl.maximum(tl.max(tl.where(at_or_below, thr, float("-inf")), 1), x_min)
+    hi_x = tl.min(tl.where(at_or_below, float("inf"), thr), 1)
+    lo = _ordered_key(lo_x + 0.0).to(tl.int64)
+    hi = tl.where(hi_x < float("inf"), _ordered_key(hi_x + 0.0).to(tl.int64) - 1, _ordered_key(m).to(tl.int64))
+    hi = tl.maximum(hi, lo)
+    return n_list, listed, regather, s, radix, lo, hi
 
 
 @fast_launch
 @triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
-def _finish_kernel(
+def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, ends_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
     state_i_ptr, state_f_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_SPLIT: tl.constexpr,
+    R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
+    LOG_NT: tl.constexpr, NB_HIST: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """4. Rows whose gather missed regather this chunk at the highest geometric threshold provably at or below
-    the cut holding <= CAP tokens. The row's last program to arrive (atomic counter, no waiting) finds the exact
-    cut on the <= CAP gathered logits in registers and draws the token; rows without a filter take the best of
-    the chunks' races; rows whose kept set may exceed CAP get their radix state (the rounds and the race launch
-    finish them)."""
-    rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, token, k_on, p_on, mp_on, filtered, unfiltered = (
-        _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                   top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R, SPLIT)
-    )  # fmt: skip
+    """2. One pass over this chunk: filtered rows gather x >= spec into their list and count (top-p without
+    top-k: also weigh) x >= t_j at NT thresholds. The row's last program to arrive finishes the rows whose list
+    holds the cut, writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN
+    for the rows still open)."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
+    (rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on,
+     filtered, unfiltered) = _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride,
+                                        top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr,
+                                        split, R, SPLIT)  # fmt: skip
     chunk = tl.program_id(1)
-    seed = tl.load(seed_ptr + rows * seed_stride, mask=row_ok, other=0).to(tl.int64)
-    step = tl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(tl.int64)
-    spec = _speculative_threshold(m, c, total, V, top_p, min_p, k_on, p_on, mp_on, filtered)
-    sp, parts, pm, n_chunk, gathered, counted = _gather_outcome(
-        search_i_ptr, search_f_ptr, rows, split, m, c, total, top_k, top_p, min_p, spec, k_on, p_on, mp_on,
-        filtered, unfiltered, CAP, NT, SPLIT,
-    )  # fmt: skip
-    thr = _geometric_thresholds(m, x_min, NT)
+    spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
+                                  mp_on, filtered, CAP)  # fmt: skip
+    thr = _count_thresholds(
+        m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT
+    )  # [R, NT], decreasing
     j = tl.arange(0, NT)
-    sbase = (rows * split + chunk) * (NT + 3)
-    region = (rows * split + chunk).to(tl.int64)[:, None] * CAP
+    use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
+    hist = tl.zeros((R * NB_HIST,), tl.int32)  # tokens per bucket b = #{j: x >= t_j}; row r's at r * NB_HIST + b
+    mass = tl.zeros((R, NT), tl.float32)
+    mass_spec = tl.zeros((R, BLOCK), tl.float32)
+    SW: tl.constexpr = NT + 1
+    sbase = (rows * split + chunk) * SW  # this chunk's partials; its thresholds until the loop ends
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], thr, mask=row_ok[:, None])
+    tl.debug_barrier()  # every thread's stores before the loads in the loop
     chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
     start = chunk * chunk_len
-    pm3 = (pm & counted[:, None])[:, :, None] & (j >= 0)[None, None, :]
-    parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
-    cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0), 1)
-    mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0), 1)
-    race_bests = tl.load(search_f_ptr + parts + NT + 1, mask=pm, other=float("-inf"))
-    race_best = tl.max(race_bests, 1)
-    race_ids = tl.load(search_i_ptr + parts + NT + 1, mask=pm, other=V)
-    race_tok = tl.min(tl.where(race_bests == race_best[:, None], race_ids, V), 1).to(tl.int64)
-    token = tl.where(unfiltered, race_tok, token)
-
-    # thresholds provably at or below the cut: count >= k with top-k, else the mass or min-p bound
-    below_cut = tl.where(
-        k_on[:, None],
-        cnt >= top_k[:, None],
-        (p_on[:, None] & (mass >= (top_p * total)[:, None]))
-        | (mp_on[:, None] & (tl.exp2((thr - m[:, None]) * c[:, None]) < min_p[:, None])),
-    )
-    usable = below_cut & (cnt <= CAP)
-    j_best = tl.min(tl.where(usable, j[None, :], NT), 1)
-    regather = counted & (j_best < NT)
-    s = tl.max(tl.where(j[None, :] == j_best[:, None], thr, float("-inf")), 1)
-
-    # parallel regather of this chunk at the best usable threshold, over the chunk's own slots
-    n_re = tl.zeros((R,), tl.int32)
-    stop = tl.where(tl.max(regather.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)
+    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
     for off in range(start, stop, BLOCK):
-        x, cols, msk = _load_block(base, off, V, regather, BLOCK)
-        take = (x >= s[:, None]) & msk  # NaN rows never get here
-        pos = n_re[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-        tl.store(buf_val_ptr + region + pos, x, mask=take & (pos < CAP))
-        tl.store(buf_idx_ptr + region + pos, cols[None, :].broadcast_to(x.shape), mask=take & (pos < CAP))
-        n_re += tl.sum(take.to(tl.int32), 1)
-    tl.store(search_i_ptr + sbase + NT + 2, n_re, mask=row_ok)
+        x, cols, msk = _load_block(base, off, V, filtered, BLOCK)  # active rows have no NaN
+        x = x + 0.0
+        p = tl.exp2((x - m[:, None]) * c[:, None])
+        take = (x >= spec[:, None]) & msk
+        _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
+        mass_spec += tl.where(take, p, 0.0)
+        bucket = tl.zeros((R, BLOCK), tl.int32)
+        for t in tl.static_range(NT):  # thresholds reread from the chunk's slot (L1): fewer live registers
+            bucket += (x >= tl.load(search_f_ptr + sbase + t, mask=row_ok, other=0.0)[:, None]).to(tl.int32)
+        hist += tl.histogram(tl.reshape(bucket + (tl.arange(0, R) * NB_HIST)[:, None], (R * BLOCK,)), R * NB_HIST,
+                             mask=tl.reshape(msk, (R * BLOCK,)))  # fmt: skip
+        if use_mass:
+            for t in tl.static_range(NT):
+                w = tl.sum(tl.where(bucket >= NT - t, p, 0.0), 1)  # x >= t_t
+                mass = tl.where(j[None, :] == t, mass + w[:, None], mass)
+    # thresholds decrease: x >= t_j <=> its bucket >= NT - j, so count(x >= t_j) = tokens in those buckets
+    hist2 = tl.reshape(hist, (R, NB_HIST))
+    b = tl.arange(0, NB_HIST)
+    cnt = tl.sum(tl.where(b[None, None, :] >= NT - j[None, :, None], hist2[:, None, :], 0), 2)  # [R, NT]
+    tl.debug_barrier()  # every thread's loads of the thresholds before they are overwritten
+    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
+    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec, 1), mask=row_ok)
     tl.debug_barrier()  # every thread's stores before the release below
-    arrived = tl.atomic_add(counter_ptr + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    row_ok &= arrived == split - 1  # the row's last program to arrive finishes it
-    k_on &= row_ok
-    p_on &= row_ok
-    mp_on &= row_ok
-    regather &= row_ok
-    in_buf = (gathered | regather) & row_ok
-    radix = filtered & row_ok & ~in_buf
-    n_re_chunk = tl.load(search_i_ptr + parts + NT + 2, mask=pm & regather[:, None], other=0, volatile=True)
-    n_chunk = tl.where(regather[:, None], n_re_chunk, n_chunk)  # [R, SPLIT]
-    n_buf = tl.where(in_buf, tl.sum(n_chunk, 1), 0)
-    # where slot i of the row's gathered list lives: chunk = number of chunk lists ending at or before i
-    ends = tl.cumsum(n_chunk, 1)
-    tl.store(ends_ptr + rows[:, None] * SPLIT + sp[None, :], ends, mask=in_buf[:, None])
-    tl.debug_barrier()  # the ends were written by other threads of this program
+    arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    last = row_ok & (arrived == split - 1)  # the row's last program to arrive decides for it
+    if tl.max(last.to(tl.int32)) > 0:
+        n_list, listed, regather, s, radix, lo, hi = _count_outcome(
+            search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
+            top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
+        )  # fmt: skip
+        if tl.max(listed.to(tl.int32)) > 0:
+            seed = tl.load(seed_ptr + rows * seed_stride, mask=listed, other=0).to(tl.int64)
+            step = tl.load(step_ptr + rows * step_stride, mask=listed, other=0).to(tl.int64)
+            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
+                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+            token = tl.where(listed, drawn, token)
+        # rows whose kept set may exceed CAP: the radix rounds find top-k's cut, then top-p's, over all the row's
+        # programs; min-p is closed form (applied in the race), so min-p alone and rows without a filter (cut: the
+        # smallest key) go straight to the race
+        phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
+        phase = tl.where(regather, PHASE_REGATHER, tl.where(unfiltered, PHASE_RACE, phase))
+        st = state_i_ptr + rows * N_STATE
+        tl.store(st + S_PHASE, phase.to(tl.int64), mask=last)
+        tl.store(st + S_LO, lo, mask=last)
+        tl.store(st + S_HI, hi, mask=last)
+        tl.store(st + S_CUT, _ordered_key(x_min).to(tl.int64), mask=last)  # the race without a cut: every finite x
+        tl.store(st + S_K, top_k, mask=last)
+        tl.store(st + S_TOP, _ordered_key(m).to(tl.int64), mask=last)
+        tl.store(st + S_ROUNDS_K, tl.zeros((R,), tl.int64), mask=last)
+        tl.store(st + S_ROUNDS_P, tl.zeros((R,), tl.int64), mask=last)
+        path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_REGATHER, PATH_REGATHER, PATH_RADIX))
+        path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
+        tl.store(st + S_PATH, path.to(tl.int64), mask=last)
+        sf = state_f_ptr + rows * N_STATE
+        tl.store(sf + F_M, m, mask=last)
+        tl.store(sf + F_C, c, mask=last)
+        tl.store(sf + F_TOP_P, top_p, mask=last)
+        # top-p without top-k starts inside a narrowed bracket: its target is known; after top-k it is set by
+        # the first top-p round (top_p times the top-k set's mass)
+        tl.store(sf + F_TARGET, tl.where(k_on, -1.0, top_p * total), mask=last)
+        tl.store(sf + F_MIN_P, min_p, mask=last)
+        tl.store(sf + F_S, s, mask=last)
+        tl.store(sf + F_TOTAL, total, mask=last)
+        token = tl.where(phase != PHASE_NONE, INVALID, token)  # a later launch writes it; one it misses stays invalid
+        tl.store(out_ptr + rows, token, mask=last)
 
-    # exact cut on the <= CAP gathered logits, then the race among them
-    if tl.max(in_buf.to(tl.int32)) > 0:
-        slot = tl.arange(0, CAP)
-        bmask = in_buf[:, None] & (slot[None, :] < n_buf[:, None])
-        src_chunk = tl.zeros((R, CAP), tl.int32)
-        for level in tl.static_range(LOG_SPLIT):  # binary search over the SPLIT ends
-            half = SPLIT >> (level + 1)
-            end = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk + half - 1, mask=bmask, other=CAP + 1)
-            src_chunk += tl.where(end <= slot[None, :], half, 0)
-        prev = tl.load(ends_ptr + rows[:, None] * SPLIT + src_chunk - 1, mask=bmask & (src_chunk > 0), other=0)
-        src = (rows[:, None] * split + src_chunk).to(tl.int64) * CAP + slot[None, :] - prev
-        vals = tl.load(buf_val_ptr + src, mask=bmask, other=float("-inf"), volatile=True)
-        idx = tl.load(buf_idx_ptr + src, mask=bmask, other=0, volatile=True).to(tl.int64)
-        keys = _ordered_key(vals + 0.0).to(tl.int64)
-        p = tl.where(bmask, tl.exp2((vals - m[:, None]) * c[:, None]), 0.0)
-        lo = tl.min(tl.where(bmask, keys, _ordered_key(m).to(tl.int64)[:, None]), 1)
-        top = _ordered_key(m).to(tl.int64) + 1
-        key_k = _bisect_tile(keys, p, lo, tl.where(k_on, top, lo + 1), top_k, total, False, NT)
-        z = tl.where(k_on, tl.sum(tl.where(keys >= key_k[:, None], p, 0.0), 1), total)  # top-p after top-k
-        key_cut = _bisect_tile(keys, p, key_k, tl.where(p_on, top, key_k + 1), top_k, top_p * z, True, NT)
-        keep = bmask & (keys >= key_cut[:, None])
-        keep &= ~mp_on[:, None] | (tl.exp2((vals - m[:, None]) * c[:, None]) >= min_p[:, None])
-        race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), -1e38)
-        win = tl.argmax(race, 1, tie_break_left=True)
-        drawn = tl.max(tl.where(slot[None, :] == win[:, None], idx, -1), 1)
-        token = tl.where(in_buf, drawn, token)
 
-    # rows whose kept set may exceed CAP: the radix rounds find top-k's cut, then top-p's, over all the row's
-    # programs; min-p is closed form (applied in the race), so min-p alone goes straight to the race
-    key_lo = _ordered_key(x_min).to(tl.int64)
-    key_top = _ordered_key(m).to(tl.int64)
-    phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
+@fast_launch
+@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks"])
+def _regather_kernel(
+    logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
+    buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, chunk_blocks,
+    R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """3. Rows that launch 2 sent here (others exit at once): every x >= s of this chunk into the row's list (s:
+    the highest threshold of launch 2 at or below the cut with <= CAP tokens above it); the row's last program to
+    arrive finishes the row from the list."""
+    allow_dependents(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    chunk = tl.program_id(1)
     st = state_i_ptr + rows * N_STATE
-    tl.store(st + S_PHASE, phase.to(tl.int64), mask=row_ok)
-    tl.store(st + S_LO, key_lo, mask=row_ok)
-    tl.store(st + S_HI, key_top, mask=row_ok)
-    tl.store(st + S_CUT, key_lo, mask=row_ok)  # min-p alone: every finite logit is above the (absent) cut
-    tl.store(st + S_K, top_k, mask=row_ok)
-    tl.store(st + S_TOP, key_top, mask=row_ok)
-    tl.store(st + S_ROUNDS_K, tl.zeros((R,), tl.int64), mask=row_ok)
-    tl.store(st + S_ROUNDS_P, tl.zeros((R,), tl.int64), mask=row_ok)
     sf = state_f_ptr + rows * N_STATE
-    tl.store(sf + F_M, m, mask=row_ok)
-    tl.store(sf + F_C, c, mask=row_ok)
-    tl.store(sf + F_TOP_P, top_p, mask=row_ok)
-    tl.store(sf + F_TARGET, tl.zeros((R,), tl.float32) - 1.0, mask=row_ok)  # < 0: set by the first top-p round
-    tl.store(sf + F_MIN_P, tl.where(mp_on, min_p, 0.0), mask=row_ok)
-    token = tl.where(radix, INVALID, token)  # the race launch overwrites it; a row it misses stays invalid
-    tl.store(out_ptr + rows, token, mask=row_ok)
+    wait_for_producers(PDL)
+    busy = (rows < B) & (tl.load(st + S_PHASE, mask=rows < B, other=0) == PHASE_REGATHER)
+    if tl.max(busy.to(tl.int32)) > 0:
+        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+        s = tl.load(sf + F_S, mask=busy, other=float("inf"))
+        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
+        start = chunk * chunk_len
+        for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+            x, cols, msk = _load_block(base, off, V, busy, BLOCK)
+            x = x + 0.0
+            _gather_block(x, cols, msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
+                          buf_idx_ptr, CAP)  # fmt: skip
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(counter_ptr + C_REGATHER_ARRIVED * B + rows, 1, mask=busy, sem="acq_rel",
+                                scope="gpu")  # fmt: skip
+        last = busy & (arrived == split - 1)
+        if tl.max(last.to(tl.int32)) > 0:
+            n_list = tl.load(counter_ptr + C_REGATHER_LIST * B + rows, mask=last, other=0, volatile=True)
+            top_k = tl.load(st + S_K, mask=last, other=0)
+            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
+            min_p = tl.load(sf + F_MIN_P, mask=last, other=0.0)
+            seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)
+            step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
+            token = _finish_from_list(
+                buf_val_ptr, buf_idx_ptr, rows, last & (n_list <= CAP), n_list,
+                tl.load(sf + F_M, mask=last, other=0.0), tl.load(sf + F_C, mask=last, other=0.0),
+                tl.load(sf + F_TOTAL, mask=last, other=0.0), top_k, top_p, min_p, top_k > 0, top_p < 1.0,
+                min_p > 0.0, seed, step, CAP, LOG_CAP,
+            )  # fmt: skip
+            tl.store(out_ptr + rows, tl.where(n_list <= CAP, token, INVALID), mask=last)
+            tl.store(st + S_PHASE, tl.zeros((R,), tl.int64) + PHASE_NONE, mask=last)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
 def _radix_round_kernel(
     logits_ptr, stride_row, B, V, state_i_ptr, state_f_ptr, round_cnt_ptr, round_mass_ptr, counter_ptr, split,
-    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One round of the radix selection for the rows in a top-k / top-p phase (others exit at once). The row's
     bracket [lo, hi] of order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k,
@@ -506,13 +588,15 @@ def _radix_round_kernel(
     counts (top-k) or weighs (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last
     program to arrive sums them in chunk order and narrows the bracket to [t_j, t_{j+1} - 1] of the largest
     t_j that passes: width w -> ceil(w / NB), so a phase ends (lo == hi: the cut) within ceil(32 / log2(NB))
-    rounds. A top-p phase starts with lo at top-k's cut (or the smallest logit): its first round's mass at
-    t_0 = lo is the mass of the top-k set, and its target is top_p times that (the same sums as every later
-    round's, so the cut is where this arithmetic says)."""
+    rounds. A top-p phase after top-k starts with lo at top-k's cut: its first round's mass at t_0 = lo is the
+    mass of the top-k set, and its target is top_p times that (the same sums as every later round's); top-p
+    alone starts in the bracket launch 2 found, with the target top_p times the row's sum of p."""
+    allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     chunk = tl.program_id(1)
     st = state_i_ptr + rows * N_STATE
     sf = state_f_ptr + rows * N_STATE
+    wait_for_producers(PDL)
     phase = tl.load(st + S_PHASE, mask=rows < B, other=0)
     busy = (rows < B) & ((phase == PHASE_TOP_K) | (phase == PHASE_TOP_P))
     if tl.max(busy.to(tl.int32)) > 0:
@@ -590,15 +674,17 @@ def _radix_round_kernel(
 def _race_kernel(
     logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
     race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+    R: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows whose cut the rounds found (others exit at once): the exponential race over the kept x of this chunk
     (key >= cut, p >= min_p) -> partials; the row's last program to arrive takes the best (lowest index on
     ties, chunks being in token order) and writes the token."""
+    allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     chunk = tl.program_id(1)
     st = state_i_ptr + rows * N_STATE
     sf = state_f_ptr + rows * N_STATE
+    wait_for_producers(PDL)
     racing = (rows < B) & (tl.load(st + S_PHASE, mask=rows < B, other=0) == PHASE_RACE)
     if tl.max(racing.to(tl.int32)) > 0:
         base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
@@ -648,44 +734,49 @@ def rounds_per_phase(bins: int) -> int:
     return rounds
 
 
-def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=16, rounds=None, state=None):  # fmt: skip
+def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=16, rows=None, split=None,
+           bins=None, rounds=None, state=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
-    block / cap / nt / rows (rows per program) / split (programs per row, <= 64) / bins (radix thresholds per
-    round, a power of 2) are tuning knobs; tests shrink cap to send rows to the radix rounds and set split on
-    the CPU.
+    block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
+    of 2 >= 4) / rows (rows per program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per
+    round, a power of 2; default 64 on the GPU, 16 in the CPU interpreter) are tuning knobs; tests shrink cap
+    to send rows to the regather and the radix rounds and set split on the CPU.
     rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
-    receives the rows' radix state: phase, cut, rounds per phase) are test hooks."""
+    receives the rows' state: phase, cut, rounds per phase) are test hooks."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
+    assert nt >= 4 and nt & (nt - 1) == 0, "nt must be a power of 2 >= 4"
+    if bins is None:  # fewer round launches on the GPU; smaller tiles for the CPU interpreter
+        bins = 64 if logits.is_cuda else 16
+    assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if block is None:
         block = min(2048, triton.next_power_of_2(V))
-    block_t = min(block, 1024)
+    block_c = min(block, 1024)  # launch 2 keeps more per slot: 4 tokens per thread (88 registers on sm_90)
     block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
-    if cap is None:  # the gather buffer never needs more than V slots
-        cap = min(1024, triton.next_power_of_2(V))
+    if cap is None:  # the list never needs more than V slots
+        cap = max(2, min(1024, triton.next_power_of_2(V)))
+    assert cap >= 2 and cap & (cap - 1) == 0, "cap must be a power of 2 (the finish's sorting network)"
+    log_cap = cap.bit_length() - 1
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
-        tile = max(max(block, cap) * nt, block_r * bins)  # the largest [R, ., .] tile of the kernels, per row
+        tile = max(block * nt, cap * 4, block_r * bins, nt * 32)  # the largest [R, ., .] tile of the kernels, per row
         rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // tile))
-    if split is None:  # spread both passes over ~2048 programs (bytes in flight), chunks of at least a block
+    if split is None:  # spread every pass over ~2048 programs (bytes in flight), chunks of at least a block
         split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
     assert 1 <= split <= SPLIT_MAX
-    assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
     chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     device = logits.device
-    part_f = torch.empty(B, split, 3, dtype=torch.float32, device=device)
-    part_i = torch.empty(B, split, 3, dtype=torch.int32, device=device)
-    search_f = torch.empty(B, split, nt + 3, dtype=torch.float32, device=device)
-    search_i = torch.empty(B, split, nt + 3, dtype=torch.int32, device=device)
-    ends = torch.empty(B, triton.next_power_of_2(split), dtype=torch.int32, device=device)
-    buf_val = torch.empty(B, split, cap, dtype=torch.float32, device=device)
-    buf_idx = torch.empty(B, split, cap, dtype=torch.int32, device=device)
+    part_f = torch.empty(B, split, N_STATS_F.value, dtype=torch.float32, device=device)
+    part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
+    search_f = torch.empty(B, split, nt + 1, dtype=torch.float32, device=device)
+    search_i = torch.empty(B, split, nt + 1, dtype=torch.int32, device=device)
+    buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
+    buf_idx = torch.empty(B, cap, dtype=torch.int32, device=device)
     if state is None:
         state = torch.empty(B, N_STATE.value, dtype=torch.int64, device=device)
     state_f = torch.empty(B, N_STATE.value, dtype=torch.float32, device=device)
@@ -693,31 +784,35 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     round_mass = torch.empty(B, split, bins, dtype=torch.float32, device=device)
     race_f = torch.empty(B, split, dtype=torch.float32, device=device)
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
-    # one arrival counter per row and launch that has arrivals (finish, each round, race): zeroed by launch 1
-    counters = torch.empty(rounds + 2, B, dtype=torch.int32, device=device)
+    # the counters of launches 2 and 3 (arrivals, list fill), one per round and the race's: zeroed by launch 1
+    counters = torch.empty(N_COUNTERS + rounds + 1, B, dtype=torch.int32, device=device)
     grid = (triton.cdiv(B, rows), split)
-    num_warps = 8 if logits.is_cuda else 1
+    on = pdl(logits)
+    opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
     SPLIT = triton.next_power_of_2(split)
     _stats_kernel[grid](
-        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters, rounds + 2, split,
-        chunk_blocks, R=rows, BLOCK=block, num_warps=num_warps,
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters,
+        counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, **opts,
     )  # fmt: skip
-    params = [(t, t.stride(0)) for t in (temperature, top_k, top_p, min_p, seed, step)]
-    for kernel in (_speculative_gather_kernel, _threshold_count_kernel, _finish_kernel):
-        kernel[grid](
-            logits, logits.stride(0), B, V, *(x for pair in params for x in pair),
-            part_f, part_i, search_f, search_i, ends, buf_val, buf_idx, counters[0], out, state, state_f,
-            split, chunk_blocks, R=rows, BLOCK=block, BLOCK_T=block_t, CAP=cap, NT=nt, SPLIT=SPLIT,
-            LOG_SPLIT=SPLIT.bit_length() - 1, num_warps=num_warps,
-        )  # fmt: skip
+    params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
+    _gather_count_kernel[grid](
+        logits, logits.stride(0), B, V, *params, part_f, part_i, search_f, search_i, buf_val, buf_idx, counters,
+        out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
+        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, NB_HIST=max(32, triton.next_power_of_2(nt + 1)),
+        SPLIT=SPLIT, **opts,
+    )  # fmt: skip
+    _regather_kernel[grid](
+        logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val, buf_idx,
+        counters, out, split, chunk_blocks, R=rows, BLOCK=block, CAP=cap, LOG_CAP=log_cap, **opts,
+    )  # fmt: skip
     for r in range(rounds):
         _radix_round_kernel[grid](
-            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[1 + r], split,
-            chunk_blocks * (block // block_r), R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, num_warps=num_warps,
+            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[N_COUNTERS + r], split,
+            chunk_blocks * (block // block_r), R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, **opts,
         )  # fmt: skip
     _race_kernel[grid](
         logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, race_f, race_i,
-        counters[rounds + 1], out, split, chunk_blocks, R=rows, BLOCK=block, SPLIT=SPLIT, num_warps=num_warps,
+        counters[N_COUNTERS + rounds], out, split, chunk_blocks, R=rows, BLOCK=block, SPLIT=SPLIT, **opts,
     )  # fmt: skip
     return out
 

@@ -428,7 +428,8 @@ def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, e
     assert state[:, fused.S_ROUNDS_K.value].max() <= bound and state[:, fused.S_ROUNDS_P.value].max() <= bound
     radix = phase == fused.PHASE_RACE.value
     if exact:
-        kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (rows > float("-inf"))
+        # tokens whose float64 p underflows to 0 (T = 0.05) are in no reference set, and never win a race
+        kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (probs > 0)
         ref = naive.filter_probs(probs, top_k, top_p.double(), torch.zeros_like(min_p).double())
         bad = (kept != ref)[radix].sum(-1) > slack * ref[radix].sum(-1)
         assert not bad.any(), f"kept set differs from the reference in {int(bad.sum())} radix rows"
@@ -675,3 +676,145 @@ def test_race_uniform_stays_below_one():
     uniform_kernel[(1,)](bits, out, N=8)
     assert (out > 0).all() and (out < 1).all()
     assert out[3] < out[4] and out[0] == 0.5 / 2**24
+
+
+# ---------------------------------------------------------------- the passes of launch 2 / 3 and the finish, one by one
+
+
+def test_normal_threshold_matches_the_normal_quantile():
+    # the Abramowitz-Stegun quantile that places launch 2's thresholds (a guide only, but a wrong sign or
+    # coefficient would send the benchmark's rows to the radix rounds): within 1e-3 sigma of scipy's
+    import triton
+    import triton.language as tl
+    from scipy.stats import norm
+
+    @triton.jit
+    def kernel(want_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        want = tl.load(want_ptr + i)
+        tl.store(
+            out_ptr + i, fused._normal_threshold(want * 0 + 1.5, want * 0 + 2.0, (i * 0 + 100_000).to(tl.int64), want)
+        )
+
+    want = torch.tensor([1.0, 3, 50, 256, 1024, 8192, 40_000, 50_000, 60_000, 99_000, 99_999, 2.5, 10, 500, 4e4, 7e4])
+    out = torch.empty(16)
+    kernel[(1,)](want, out, N=16)
+    ref = 1.5 + 2.0 * torch.from_numpy(norm.isf(want.double().numpy() / 100_000)).float()
+    assert (out - ref).abs().max() < 2e-3, (out, ref)
+
+
+def test_count_thresholds_are_sorted_and_bracket_the_row():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(out_ptr, R: tl.constexpr, NT: tl.constexpr):
+        r = tl.arange(0, R)
+        m = 10.0 + r.to(tl.float32)
+        x_min = -5.0 - r.to(tl.float32)
+        n = (r * 0 + 5000).to(tl.int64)
+        k_on = r % 2 == 0
+        thr = fused._count_thresholds(m, x_min, n, m * 0.1, m * 0 + 2.0, (r * 0 + 50).to(tl.int64), k_on, r >= 0,
+                                      256, NT, 4)  # fmt: skip
+        tl.store(out_ptr + r[:, None] * NT + tl.arange(0, NT)[None, :], thr)
+
+    out = torch.empty(4, 16)
+    kernel[(1,)](out, R=4, NT=16)
+    m, x_min = 10.0 + torch.arange(4.0), -5.0 - torch.arange(4.0)
+    assert (out[:, 1:] <= out[:, :-1]).all(), "thresholds must decrease (launch 2's buckets count on it)"
+    assert (out <= m[:, None]).all() and (out >= x_min[:, None]).all()
+    assert (out == x_min[:, None]).any(-1).all()  # the geometric half ends at the smallest logit
+    assert (out.unique(dim=-1).shape[-1] > 8) and (out[0].unique().numel() > 12)  # spread, not collapsed
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.7, 0.0), (0, 1.0, 0.3),
+                                                 (12, 0.9, 0.1), (1, 1.0, 0.0), (0, 1e-6, 0.0)])  # fmt: skip
+def test_finish_from_list_draws_from_the_kept_set_whatever_the_list_order(top_k, top_p, min_p):
+    # the finish sorts the list in registers: the same tokens for any order of the list (launches 2 and 3 fill it
+    # through an atomic counter), every token in the reference's kept set, ties at the cuts kept (a cut one
+    # position off drops or adds a tie group: the draws over 512 steps reach it)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(val_ptr, idx_ptr, out_ptr, n, m, c, total, top_k, top_p, min_p, R: tl.constexpr, CAP: tl.constexpr):
+        rows = tl.arange(0, R)
+        zero = rows * 0
+        fin = rows >= 0
+        step = rows.to(tl.int64)
+        k, seed = zero.to(tl.int64) + top_k, zero.to(tl.int64) + 3
+        on_k, on_p, on_mp = fin & (top_k > 0), fin & (top_p < 1.0), fin & (min_p > 0.0)
+        tok = fused._finish_from_list(val_ptr, idx_ptr, rows, fin, zero + n, zero + m, zero + c, zero + total, k,
+                                      zero + top_p, zero + min_p, on_k, on_p, on_mp, seed, step, CAP, 5)  # fmt: skip
+        tl.store(out_ptr + rows, tok)
+
+    g = torch.Generator().manual_seed(top_k)
+    V, n, R, CAP = 40, 24, 512, 32
+    logits = (torch.randn(V, generator=g) * 1.5).round(decimals=0)  # ties at every cut
+    listed = logits.argsort(descending=True)[:n]  # the list: every token above the 24th largest
+    listed = listed[torch.isin(logits[listed], logits[listed].unique()[1:])]  # whole tie groups only
+    m = logits.max().item()
+    probs = torch.softmax(logits.double(), -1)
+    total = (probs / probs.max()).sum().item()  # sum of p relative to the max: what the stats give
+    keep = naive.filter_probs(probs[None], *(torch.tensor([v], dtype=torch.float64) for v in (top_k, top_p, min_p)))[0]
+    assert keep[listed].sum() == keep.sum(), "the test's list must hold the kept set"
+    outs = []
+    for perm in (torch.arange(len(listed)), torch.randperm(len(listed), generator=g)):
+        order = listed[perm]
+        val = torch.full((R, CAP), float("nan"))
+        idx = torch.full((R, CAP), -5, dtype=torch.int32)
+        val[:, : len(order)] = logits[order]
+        idx[:, : len(order)] = order.int()
+        out = torch.empty(R, dtype=torch.int64)
+        kernel[(1,)](val, idx, out, len(order), m, 1.4426950408889634, total, top_k, top_p, min_p, R=R, CAP=CAP)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert keep[outs[0]].all()
+    assert set(outs[0].tolist()) == set(keep.nonzero()[:, 0].tolist()) or keep.sum() > 12  # every kept token drawn
+
+
+def paths_of(state):
+    return {int(p): int((state[:, fused.S_PATH.value] == p).sum()) for p in state[:, fused.S_PATH.value].unique()}
+
+
+def test_benchmark_shapes_never_need_the_radix_rounds():
+    # top-k 50 + top-p 0.9 (the benchmark's target mode) on every shape: launch 2's list or its regather at a
+    # counted threshold holds the cut (the normal-fit thresholds place one in the k-th value's tail for peaked,
+    # flat and ties rows; the geometric ones for zipf); both paths run, no row takes the rounds
+    V = 4096
+    logits = torch.cat([family_logits(f, 2, V, seed=i)[0] for i, f in enumerate(FAMILIES)])
+    temperature = torch.tensor([family_logits(f, 1, 8)[1] for f in FAMILIES]).repeat_interleave(2)
+    B = len(logits)
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    out = fused.launch(logits, temperature, torch.full((B,), 50), torch.full((B,), 0.9), torch.zeros(B),
+                       torch.zeros(B, dtype=torch.long), torch.arange(B), cap=256, block=512, state=state)  # fmt: skip
+    probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
+    keep = naive.filter_probs(probs, torch.full((B,), 50), torch.full((B,), 0.9, dtype=torch.float64), torch.zeros(B))
+    assert keep[torch.arange(B), out].all()
+    paths = paths_of(state)
+    assert set(paths) <= {fused.PATH_LIST.value, fused.PATH_REGATHER.value}, paths
+    assert paths.get(fused.PATH_LIST.value, 0) > 0 and paths.get(fused.PATH_REGATHER.value, 0) > 0, paths
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_sort_network_is_tl_sort(dtype):
+    # the finish and launch 2's thresholds sort with tl.sort on the GPU and with a reshape / sum network in the CPU
+    # interpreter (SORT_NETWORK): both give the same order, ties and negative keys included
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, net_ptr, ref_ptr, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+        at = tl.arange(0, R)[:, None] * N + tl.arange(0, N)[None, :]
+        x = tl.load(x_ptr + at)
+        tl.store(net_ptr + at, fused._sort_descending(x, R, N, LOG_N))
+        tl.store(ref_ptr + at, tl.sort(x, 1, descending=True))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-(2**31), 2**31 - 1, (4, 64), generator=g, dtype=torch.int64)
+    x[1] = torch.randint(-3, 3, (64,), generator=g)  # ties
+    x = x.to(torch.int32) if dtype == torch.int32 else (x.double() / 2**20).float()
+    net, ref = torch.empty_like(x), torch.empty_like(x)
+    kernel[(1,)](x, net, ref, R=4, N=64, LOG_N=6)
+    assert fused.SORT_NETWORK.value  # the CPU tests run the network
+    assert torch.equal(net, ref) and torch.equal(net, x.sort(-1, descending=True).values)
