@@ -99,13 +99,14 @@ def _div_rn_rows(x, scale):
     underflows: quantize_tile takes it only for scales in [2^-80, inf), where x = q s >= 2^-90 wherever q >= 2^-10
     (below that e4m3 rounds to 0 whatever the last bits). Checked bitwise against IEEE division on every fp32
     significand of x in five binades of quotients from 2^-9 to 2^9, both signs, for 128 scales (random amax / 448,
-    significands 1, 1 + ulp, 2 - ulp, 2^-80 and 2^100 ranges): 1.6e10 quotients, no difference. -0 stays -0 (the
-    residual is negated so that the zeros' signs come out as IEEE division's)."""
+    significands 1, 1 + ulp, 2 - ulp, 2^-80 and 2^100 ranges): 1.6e10 quotients, no difference. -0 stays -0: the
+    correction multiplies by -y (per row) instead of negating r, because Triton compiles -r as 0 - r, which is +0
+    for r = +0 (the residual of x = -0), and +0 + -0 would give +0 (seen on the H200 with fp16 rows)."""
     y = tl.div_rn(1.0, scale)[:, None]
     s = scale[:, None]
     q0 = x * y
     r = tl.fma(q0, s, -x)
-    return tl.fma(-r, y, q0)
+    return tl.fma(r, -y, q0)
 
 
 @triton.jit
