@@ -6,7 +6,8 @@ argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
-not need costs its programs a few loads. 4 + 2 * rounds_per_phase(bins) launches (16 with the default 64 bins),
+not need costs its programs a few loads. 4 + 2 * rounds_per_phase(bins) launches (20 with 16 bins, 36 with 4: the
+GPU defaults below and above B = 64),
 all with Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one's tail):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
@@ -740,7 +741,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
     of 2 >= 4) / rows (rows per program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per
-    round, a power of 2; default 64 on the GPU, 16 in the CPU interpreter) are tuning knobs; tests shrink cap
+    round, a power of 2; default on the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning
+    knobs; tests shrink cap
     to send rows to the regather and the radix rounds and set split on the CPU.
     rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
     receives the rows' state: phase, cut, rounds per phase) are test hooks."""
@@ -750,8 +752,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     assert nt >= 4 and nt & (nt - 1) == 0, "nt must be a power of 2 >= 4"
-    if bins is None:  # fewer round launches on the GPU; smaller tiles for the CPU interpreter
-        bins = 64 if logits.is_cuda else 16
+    if bins is None:  # H200, results/bench_sampling.json: 64 bins made a round 5-7x slower than 16 (its [64, 64]
+        # threshold tile per block); 4 bins (more, streaming rounds) win at B = 256, 16 (fewer launches) at B = 1
+        bins = (16 if B < 64 else 4) if logits.is_cuda else 16
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if block is None:
         block = min(2048, triton.next_power_of_2(V))
