@@ -13,7 +13,8 @@ GEMMs (`quantize_activations`: x [M, K] -> fp8 q [M, K] and fp32 scales [M, ceil
 program per [BLOCK_M, 128] tile running `quantize_tile`, a Triton device function), bit-identical on the GPU to
 `quantize_rows` on the same rows. The GEMMs then read fp8 activations and their scales: quantizing inside their K
 loops instead re-quantized each activation tile once per output tile (N / BLOCK_N times), and its CUDA-core work
-per step cost more than the step's wgmma (qmoe issue #16: 424 us per 35B dense projection at 4096 tokens). The rule: scale = amax * fl32(1 / 448) (an all-zero group: 1), q = x / scale
+per step cost more than the step's wgmma (qmoe issue #16: 424 us per 35B dense projection at 4096 tokens).
+The rule: scale = amax * fl32(1 / 448) (an all-zero group: 1), q = x / scale
 (IEEE division) clamped to +-448 and rounded to nearest even e4m3. The scale is a product with the fp32
 reciprocal, not a division, because that is what torch computes on CUDA for `amax / 448.0` (a division by a
 Python scalar multiplies by its reciprocal there; on the CPU it divides, which differs in the last bit for about
