@@ -2,11 +2,13 @@
 report what the H200 would run: registers and spills (ptxas -v on Triton's PTX, with the ptxas and flags Triton
 itself uses; CompiledKernel.n_spills needs a driver), the wgmma instructions and their operand types (PTX; QGMMA in
 SASS), the fp8 conversions (cvt.rn.satfinite.e4m3x2), the IEEE divisions (div.rn) and the SASS instruction mix.
-Shapes: linear at the 35B gdn_in (N 12352, K 2048), the MoE sorted kernels at the 35B experts, bf16 activations,
-the default tiles (linear.FP8_PREFILL_CONFIG, moe.DEFAULT_CONFIGS["prefill_fp8"]) unless --linear / --moe give
-"BLOCK_M,BLOCK_N,num_warps,num_stages" (BLOCK_K is 128 on these paths).
+Shapes: the activation pre-pass (kernels/fp8.quantize_activations) on bf16 [4096, 2048]; linear (X_FP8: fp8
+activations with their scales, bf16 output) at the 35B gdn_in (N 12352, K 2048); the MoE sorted kernels (A_FP8) at
+the 35B experts; the default tiles (linear.FP8_PREFILL_CONFIG, moe.DEFAULT_CONFIGS["prefill_fp8"]) unless
+--linear / --moe give "BLOCK_M,BLOCK_N,num_warps,num_stages" (BLOCK_K is 128 on these paths).
 
-    python experiments/aot_sm90.py [--only linear_prefill_fp8 moe_up_sorted_fp8 moe_down_sorted_fp8]
+    python experiments/aot_sm90.py
+        [--only quantize_activations linear_prefill_fp8 moe_up_sorted_fp8 moe_down_sorted_fp8]
         [--linear 64,256,8,3] [--moe 64,128,8,3] [--out DIR]   (DIR/<kernel>.{ptx,sass,json})
 """
 
@@ -93,14 +95,15 @@ def moe_sorted(which: str, cfg=None):
     common = {"sorted_ptr": ("*i32", b), "ends_ptr": ("*i32", b), "P": ("i32", False), "E": ("i32", True),
               "H": ("i32", True), "I": ("i32", True)}  # fmt: skip
     const = {"BLOCK_E": 256, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"],
-             "QUANT_A": True}  # fmt: skip
-    if which == "up":
-        args = {"x_ptr": (p, b), "w13_ptr": ("*fp8e4nv", b), "h_ptr": (p, b), "w13_s_ptr": ("*fp32", b), **common}
+             "A_FP8": True}  # fmt: skip
+    f8, f32 = ("*fp8e4nv", b), ("*fp32", b)
+    if which == "up":  # fp8 x (the pre-pass's) and its scales in, bf16 h out
+        args = {"x_ptr": f8, "w13_ptr": f8, "h_ptr": (p, b), "w13_s_ptr": f32, "xs_ptr": f32, **common}
         const["TOP_K"] = 8
         kernel = moe._moe_up_sorted_kernel
     else:
-        args = {"h_ptr": (p, b), "w2_ptr": ("*fp8e4nv", b), "out_ptr": (p, b), "weights_ptr": ("*fp32", b),
-                "w2_s_ptr": ("*fp32", b), **common}  # fmt: skip
+        args = {"h_ptr": f8, "w2_ptr": f8, "out_ptr": (p, b), "weights_ptr": f32, "w2_s_ptr": f32, "hs_ptr": f32,
+                **common}  # fmt: skip
         kernel = moe._moe_down_sorted_kernel
     fn = fn_of(kernel)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
