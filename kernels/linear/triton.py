@@ -176,7 +176,7 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 
 
 def fp8_prefill_plan(M: int, N: int, K: int) -> tuple:
-    """The plan of the FP8 x FP8 prefill product (FP8_PREFILL_CONFIG, activations quantized in the K loop)."""
+    """The plan of the FP8 x FP8 prefill product (FP8_PREFILL_CONFIG on the pre-pass's fp8 activations)."""
     key = (N, K, "fp8_prefill", M)
     plan = _PLANS.get(key)
     if plan is None:
