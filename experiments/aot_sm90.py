@@ -2,11 +2,13 @@
 report what the H200 would run: registers and spills (ptxas -v on Triton's PTX, with the ptxas and flags Triton
 itself uses; CompiledKernel.n_spills needs a driver), the wgmma instructions and their operand types (PTX; QGMMA in
 SASS), the fp8 conversions (cvt.rn.satfinite.e4m3x2), the IEEE divisions (div.rn) and the SASS instruction mix.
-Shapes: linear at the 35B gdn_in (N 12352, K 2048), the MoE sorted kernels at the 35B experts, bf16 activations,
-the default tiles (linear.FP8_PREFILL_CONFIG, moe.DEFAULT_CONFIGS["prefill_fp8"]) unless --linear / --moe give
-"BLOCK_M,BLOCK_N,num_warps,num_stages" (BLOCK_K is 128 on these paths).
+Shapes: the activation pre-pass (kernels/fp8.quantize_activations) on bf16 [4096, 2048]; linear (X_FP8: fp8
+activations with their scales, bf16 output) at the 35B gdn_in (N 12352, K 2048); the MoE sorted kernels (A_FP8) at
+the 35B experts; the default tiles (linear.FP8_PREFILL_CONFIG, moe.DEFAULT_CONFIGS["prefill_fp8"]) unless
+--linear / --moe give "BLOCK_M,BLOCK_N,num_warps,num_stages" (BLOCK_K is 128 on these paths).
 
-    python experiments/aot_sm90.py [--only linear_prefill_fp8 moe_up_sorted_fp8 moe_down_sorted_fp8]
+    python experiments/aot_sm90.py
+        [--only quantize_activations linear_prefill_fp8 moe_up_sorted_fp8 moe_down_sorted_fp8]
         [--linear 64,256,8,3] [--moe 64,128,8,3] [--out DIR]   (DIR/<kernel>.{ptx,sass,json})
 """
 
@@ -57,20 +59,32 @@ def spec(kernel, args: dict, constexprs: dict):
 
 
 def linear_prefill(cfg=None):
-    """_linear_kernel with QUANT_X at gdn_in (N 12352, K 2048), bf16 activations, FP8_PREFILL_CONFIG."""
+    """_linear_kernel with X_FP8 (fp8 x and its scales from the pre-pass) at gdn_in (N 12352, K 2048), bf16 output,
+    FP8_PREFILL_CONFIG."""
     cfg = cfg or lin.FP8_PREFILL_CONFIG
     M, N, K = 4096, 12352, 2048
-    _, _, _, meta = lin.make_plan(M, N, K, cfg, fp8=True, quantize_x=True)
+    _, _, _, meta = lin.make_plan(M, N, K, cfg, fp8=True, fp8_x=True)
     num_warps, num_stages = meta.pop("num_warps"), meta.pop("num_stages")
     p, b = "*bf16", True
     args = {
-        "x_ptr": (p, b), "w_ptr": ("*fp8e4nv", b), "out_ptr": (p, b), "s_ptr": ("*fp32", b), "M": ("i32", False),
-        "N": ("i32", False), "K": ("i32", True), "stride_xm": ("i32", True), "stride_wn": ("i32", True),
-        "stride_sn": ("i32", True), "k_per_split": ("i32", True), "SPLIT": ("i32", False), "res_ptr": (p, b),
-        "nw_ptr": (p, b), "normed_ptr": (p, b), "hidden_ptr": (p, b), "stride_rm": ("i32", True),
-        "eps": ("fp32", False),
+        "x_ptr": ("*fp8e4nv", b), "w_ptr": ("*fp8e4nv", b), "out_ptr": (p, b), "s_ptr": ("*fp32", b),
+        "M": ("i32", False), "N": ("i32", False), "K": ("i32", True), "stride_xm": ("i32", True),
+        "stride_wn": ("i32", True), "stride_sn": ("i32", True), "k_per_split": ("i32", True), "SPLIT": ("i32", False),
+        "res_ptr": ("*fp8e4nv", b), "nw_ptr": ("*fp8e4nv", b), "normed_ptr": ("*fp8e4nv", b),
+        "hidden_ptr": ("*fp8e4nv", b), "stride_rm": ("i32", True), "eps": ("fp32", False), "xs_ptr": ("*fp32", b),
+        "stride_xsm": ("i32", True),
     }  # fmt: skip
     return spec(lin._linear_kernel, args, {**meta, "NORM": False, "PDL": True}), num_warps, num_stages
+
+
+def quantize_prepass(block_m=None):
+    """kernels/fp8._quantize_activations_kernel on bf16 x [4096, 2048] (the 35B hidden size)."""
+    from kernels import fp8
+
+    args = {"x_ptr": ("*bf16", True), "q_ptr": ("*fp8e4nv", True), "s_ptr": ("*fp32", True), "M": ("i32", False),
+            "K": ("i32", True), "stride_xm": ("i32", True)}  # fmt: skip
+    const = {"BLOCK_M": block_m or fp8.QUANTIZE_BLOCK_M, "EVEN_K": True, "PDL": True}
+    return spec(fp8._quantize_activations_kernel, args, const), 4, 1
 
 
 def moe_sorted(which: str, cfg=None):
@@ -81,14 +95,15 @@ def moe_sorted(which: str, cfg=None):
     common = {"sorted_ptr": ("*i32", b), "ends_ptr": ("*i32", b), "P": ("i32", False), "E": ("i32", True),
               "H": ("i32", True), "I": ("i32", True)}  # fmt: skip
     const = {"BLOCK_E": 256, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"],
-             "QUANT_A": True}  # fmt: skip
-    if which == "up":
-        args = {"x_ptr": (p, b), "w13_ptr": ("*fp8e4nv", b), "h_ptr": (p, b), "w13_s_ptr": ("*fp32", b), **common}
+             "A_FP8": True}  # fmt: skip
+    f8, f32 = ("*fp8e4nv", b), ("*fp32", b)
+    if which == "up":  # fp8 x (the pre-pass's) and its scales in, bf16 h out
+        args = {"x_ptr": f8, "w13_ptr": f8, "h_ptr": (p, b), "w13_s_ptr": f32, "xs_ptr": f32, **common}
         const["TOP_K"] = 8
         kernel = moe._moe_up_sorted_kernel
     else:
-        args = {"h_ptr": (p, b), "w2_ptr": ("*fp8e4nv", b), "out_ptr": (p, b), "weights_ptr": ("*fp32", b),
-                "w2_s_ptr": ("*fp32", b), **common}  # fmt: skip
+        args = {"h_ptr": f8, "w2_ptr": f8, "out_ptr": (p, b), "weights_ptr": f32, "w2_s_ptr": f32, "hs_ptr": f32,
+                **common}  # fmt: skip
         kernel = moe._moe_down_sorted_kernel
     fn = fn_of(kernel)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
@@ -160,7 +175,7 @@ def tile(text: str | None, kind: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    builds = ["linear_prefill_fp8", "moe_up_sorted_fp8", "moe_down_sorted_fp8"]
+    builds = ["quantize_activations", "linear_prefill_fp8", "moe_up_sorted_fp8", "moe_down_sorted_fp8"]
     parser.add_argument("--only", nargs="*", default=builds, choices=builds)
     parser.add_argument("--linear", help="BLOCK_M,BLOCK_N,num_warps,num_stages for linear (default: its config)")
     parser.add_argument("--moe", help="BLOCK_M,BLOCK_N,num_warps,num_stages for both MoE kernels")
@@ -168,6 +183,7 @@ def main():
     args = parser.parse_args()
     lin_cfg, moe_cfg = tile(args.linear, "linear"), tile(args.moe, "moe")
     make = {
+        "quantize_activations": quantize_prepass,
         "linear_prefill_fp8": lambda: linear_prefill(lin_cfg),
         "moe_up_sorted_fp8": lambda: moe_sorted("up", moe_cfg),
         "moe_down_sorted_fp8": lambda: moe_sorted("down", moe_cfg),

@@ -3,7 +3,7 @@
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
 #         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
-#         bench_checkpoint_fp8, runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), tune_loop (+ in-loop config
+#         bench_checkpoint_fp8, runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_fp8_prefill (pre-pass + linear FP8 x FP8 tiles vs cuBLAS bf16, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), tune_loop (+ in-loop config
 #         descent, tables written), tune_loop_fp8 (the same for the FP8 model), run_122b_fp8 (122B-A10B FP8 on one GPU), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +61,7 @@ except Exception as e:
     profile_model) STAGE_TIMEOUT=300 run_stage profile_model python3 experiments/profile_model.py ;;
     profile_model_fp8) STAGE_TIMEOUT=300 run_stage profile_model_fp8 python3 experiments/profile_model.py --weights fp8 --sections prefill --out results/profile_model_fp8.json ;;
     tune_moe_fp8_prefill) STAGE_TIMEOUT=400 run_stage tune_moe_fp8_prefill python3 experiments/tune_moe.py --shapes 35B --prefill --weights fp8 ;;
+    tune_fp8_prefill) STAGE_TIMEOUT=240 run_stage tune_fp8_prefill python3 experiments/tune_fp8_prefill.py --out results/tune_fp8_prefill.json ;;
     pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
     fp8_probe) STAGE_TIMEOUT=200 run_stage fp8_probe python3 experiments/fp8_gemv_probe.py ;;
     barrier) STAGE_TIMEOUT=120 run_stage barrier python3 experiments/probe_grid_barrier.py ;;

@@ -21,12 +21,13 @@ kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the prod
 block by its row scale (the H200 tables: 1024-2048-column steps of 2-4 rows, lm_head 128 x 32); the dot path
 (BLOCK_K <= 128) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
 [BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
-(prefill) FP8 x FP8 in one launch: the dot path with QUANT_X (BLOCK_K = 128, one scale group per step) quantizes
-each [BLOCK_M, 128] activation tile in registers inside the K loop (kernels/fp8.quantize_tile: per (token,
-128-wide K group), the weights' rule, bit-identical to quantize_rows on the GPU), runs tl.dot on the two fp8 tiles
-(fp8 wgmma on sm_90) and scales the step's product by the token's and the row's scales. Every N tile re-quantizes
-its activation tiles (N / BLOCK_N times in all): no pre-pass, no fp8 copy of x. Its error is the activations'
-quantization: ~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
+(prefill) FP8 x FP8 in two launches: the pre-pass kernels/fp8.quantize_activations quantizes x once per (token,
+128-wide K group) (the weights' rule, bit-identical to quantize_rows on the GPU) into fp8 q [M, K] and fp32 scales
+[M, ceil(K / 128)]; then the dot path with X_FP8 (BLOCK_K = 128, one scale group per step) runs tl.dot on the two
+fp8 tiles (fp8 wgmma on sm_90) and scales each step's product by the token's and the row's scales. (Quantizing in
+the K loop instead, as before, redid every activation tile N / BLOCK_N times, on CUDA cores that then outweighed
+the wgmma: 424 us per 35B projection at 4096 tokens, issue #16.) Its error is the activations' quantization:
+~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
 QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs F.linear in x's dtype.
 
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
@@ -45,7 +46,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_tile
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
 from kernels.launch import fast_launch
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -64,11 +65,12 @@ REDUCE_BLOCK = 1024
 MAX_NORM_BLOCK = 2048
 # M > MAX_M with an N that cuBLAS runs slowly (_prefill_gemm): the best of six tiles (gemm_alignment.py, H200)
 UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
-# M > MAX_M with fp8 weights: the FP8 x FP8 tile with the activations quantized in its K loop (QUANT_X; BLOCK_K
-# must be 128, one activation and one weight scale per step). Not timed yet; picked from sm_90 compiles (ptxas):
-# 64 x 128 on 4 warps uses 238 registers and 88 KB of shared memory, no spill, so two programs fit an SM (one's
-# quantization can run under the other's wgmma); 128 x 128 on 8 warps spills 172 B, 64 x 256 on 8 warps fits
-# (231 registers, 136 KB) and quantizes each x tile half as often
+# M > MAX_M with fp8 weights: the FP8 x FP8 tile on the pre-quantized activations (X_FP8; BLOCK_K must be 128, one
+# activation and one weight scale per step). Not timed yet (experiments/tune_fp8_prefill.py); picked from sm_90
+# compiles (experiments/aot_sm90.py, ptxas): 64 x 128 on 4 warps uses 218 registers and 74 KB of shared memory, no
+# spill, so two programs fit an SM, and one's per-step scaling (two fp32 ops per output per step, as much CUDA-core
+# time as the step's fp8 wgmma) can run under the other's wgmma; 64 x 256 on 8 warps fits too (210, 124 KB, one per
+# SM); 128 x 128 on 8 warps spills 32 B, 128 x 128 on 4 and 64 x 256 on 4 spill ~600 / ~360 B
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
 
@@ -120,7 +122,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict
     return tuned or default_config(M, N, K, num_sms, fp8=dtype == FP8)
 
 
-def check_config(config: dict, fp8: bool = False, quantize_x: bool = False) -> None:
+def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
     """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
     if sorted(config) != sorted(CONFIG_KEYS):
         raise ValueError(f"linear config needs exactly the keys {CONFIG_KEYS}, got {sorted(config)}")
@@ -133,26 +135,26 @@ def check_config(config: dict, fp8: bool = False, quantize_x: bool = False) -> N
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
     if fp8 and bm != 1 and bk > SCALE_BLOCK_K:  # the GEMV splits its steps into 128-column sub-steps
         raise ValueError(f"linear config: fp8 on the dot path needs BLOCK_K <= {SCALE_BLOCK_K}: {config}")
-    if quantize_x and (not fp8 or bm == 1 or bk != SCALE_BLOCK_K):
+    if fp8_x and (not fp8 or bm == 1 or bk != SCALE_BLOCK_K):
         raise ValueError(
-            f"linear config: quantize_x (FP8 x FP8) needs an fp8 weight and the dot path with BLOCK_K = "
+            f"linear config: FP8 x FP8 (fp8 activations) needs an fp8 weight and the dot path with BLOCK_K = "
             f"{SCALE_BLOCK_K} (one activation scale group per K step), got fp8={fp8} and {config}"
         )
 
 
-def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, quantize_x: bool = False) -> tuple:
+def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, fp8_x: bool = False) -> tuple:
     """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
     The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
     splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short.
-    quantize_x: FP8 x FP8 with x quantized in the K loop (fp8 weights, BLOCK_K = 128)."""
-    check_config(config, fp8, quantize_x)
+    fp8_x: FP8 x FP8, x fp8 with per-(row, 128-group) scales (fp8 weights, BLOCK_K = 128)."""
+    check_config(config, fp8, fp8_x)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
     split = triton.cdiv(k_blocks, blocks_per_split)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
     meta = dict(
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, QUANT_X=quantize_x,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, X_FP8=fp8_x,
         SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(triton.next_power_of_2(K), MAX_NORM_BLOCK),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
@@ -174,11 +176,11 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
 
 
 def fp8_prefill_plan(M: int, N: int, K: int) -> tuple:
-    """The plan of the FP8 x FP8 prefill product (FP8_PREFILL_CONFIG, activations quantized in the K loop)."""
+    """The plan of the FP8 x FP8 prefill product (FP8_PREFILL_CONFIG on the pre-pass's fp8 activations)."""
     key = (N, K, "fp8_prefill", M)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = make_plan(M, N, K, FP8_PREFILL_CONFIG, fp8=True, quantize_x=True)
+        plan = _PLANS[key] = make_plan(M, N, K, FP8_PREFILL_CONFIG, fp8=True, fp8_x=True)
     return plan
 
 
@@ -285,18 +287,18 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split, SPLIT,
-    res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
+    res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps, xs_ptr, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, SCALED: tl.constexpr, QUANT_X: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, SCALED: tl.constexpr, X_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     SUB_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
     of the first N tile also write normed and the new residual for the layer's other readers).
     SCALED: w is fp8 with s [N, ceil(K / 128)] fp32 (s_ptr is unused otherwise): the GEMV runs _scaled_gemv; on
-    the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. QUANT_X (dot path, with
-    SCALED, BLOCK_K = 128): each [BLOCK_M, 128] tile of x is quantized in registers per (row, step) and the step
-    is an fp8 x fp8 tl.dot scaled by x's row scales and w's."""
+    the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. X_FP8 (dot path, with
+    SCALED, BLOCK_K = 128): x is fp8 too (kernels/fp8.quantize_activations' q) with its scales at xs [M, Kb]
+    (row stride stride_xsm), and each step is an fp8 x fp8 tl.dot scaled by x's row scales and w's."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -368,6 +370,7 @@ def _linear_kernel(
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + w_rows[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        xs_ptrs = xs_ptr + x_rows * stride_xsm  # [BLOCK_M], at K block 0 (X_FP8 only)
         for k in range(k_start, k_end, BLOCK_K):
             k_mask = k + tl.arange(0, BLOCK_K) < K
             if EVEN_K:
@@ -378,10 +381,10 @@ def _linear_kernel(
                 x = tl.load(x_ptrs)
             else:
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            if QUANT_X:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
-                x_q, x_scale = quantize_tile(x)  # [BLOCK_M, 128] fp8, [BLOCK_M]; columns past K are 0
+            if X_FP8:  # fp8 x fp8 on the tensor cores; the token's and the row's scales on the product
+                x_scale = tl.load(xs_ptrs + k // 128)  # [BLOCK_M]
                 scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
-                acc += tl.dot(x_q, w) * (x_scale[:, None] * scale[None, :])
+                acc += tl.dot(x, w) * (x_scale[:, None] * scale[None, :])
             elif SCALED:  # e4m3 -> x's dtype is exact; the scale applies to this step's product
                 scale = tl.load(s_ptrs + k // 128)  # [BLOCK_N]
                 if x.dtype == tl.float32:
@@ -439,27 +442,42 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
             )
 
 
-def linear_into(x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None) -> torch.Tensor:
+def linear_into(
+    x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None, x_scale=None
+) -> torch.Tensor:
     """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
     NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None);
-    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight; quantize_x: FP8 x FP8, x quantized per (row,
-    128-wide K group) in the kernel's K loop (an fp8 weight and a dot-path config with BLOCK_K = 128; config None:
-    FP8_PREFILL_CONFIG).
+    scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight. FP8 x FP8 (an fp8 weight and a dot-path config
+    with BLOCK_K = 128; config None: FP8_PREFILL_CONFIG) either with quantize_x (x quantized per (row, 128-wide
+    K group) by the pre-pass kernels/fp8.quantize_activations first: two launches) or with x already fp8 and
+    x_scale its fp32 [M, ceil(K / 128)] scales (rows contiguous).
     norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]), GEMV configs (BLOCK_M = 1) only:
     x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
     to hidden."""
     M, K = x.shape
     N = weight.shape[0]
     fp8 = scale is not None
+    fp8_x = quantize_x or x_scale is not None
     x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
-    if quantize_x and fp8 and config is None:
+    if fp8_x and fp8 and config is None:
         grid, split, k_per_split, meta = fp8_prefill_plan(M, N, K)
-    elif config is not None or quantize_x:  # make_plan checks the config (and refuses quantize_x without fp8)
-        grid, split, k_per_split, meta = make_plan(M, N, K, config or FP8_PREFILL_CONFIG, fp8, quantize_x)
+    elif config is not None or fp8_x:  # make_plan checks the config (and refuses FP8 x FP8 without fp8 weights)
+        grid, split, k_per_split, meta = make_plan(M, N, K, config or FP8_PREFILL_CONFIG, fp8, fp8_x)
     else:
         grid, split, k_per_split, meta = cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
+    if quantize_x and x_scale is not None:
+        raise ValueError("linear_into: pass quantize_x (x is quantized here) or x_scale (x is fp8 already), not both")
+    if quantize_x:
+        x, x_scale = quantize_activations(x)
+    elif fp8_x and (x.dtype != FP8 or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (M, k_blocks(K))
+                    or x_scale.stride(1) != 1):  # fmt: skip
+        raise ValueError(
+            f"linear_into: x_scale goes with an fp8 x and is float32 [{M}, {k_blocks(K)}] with contiguous rows, got "
+            f"x {x.dtype} and x_scale {x_scale.dtype} {list(x_scale.shape)}"
+        )
     s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
+    xs, stride_xsm = (x_scale, x_scale.stride(0)) if fp8_x else (s, 0)  # xs unused without X_FP8
     if norm is None:
         residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
     elif meta["BLOCK_M"] != 1:
@@ -473,7 +491,7 @@ def linear_into(x, weight, out, config=None, workspace=None, scale=None, quantiz
     _linear_kernel[grid](
         x, weight, out if split == 1 else workspace, s, M, N, K,
         x.stride(0), weight.stride(0), stride_sn, k_per_split, split,
-        residual, norm_weight, normed, hidden, residual.stride(0), eps,
+        residual, norm_weight, normed, hidden, residual.stride(0), eps, xs, stride_xsm,
         NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
     )  # fmt: skip
     if split > 1:
@@ -502,7 +520,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":  # FP8 x FP8, x quantized in the K loop
+    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":  # FP8 x FP8: the pre-pass, then the GEMM
         out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
         linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, quantize_x=True)
         return out.view(*x.shape[:-1], N)

@@ -29,10 +29,16 @@ FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 12
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
 on the tiled decode path every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and
 applies it to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3). The sorted
-prefill kernels run FP8 x FP8 instead (QUANT_A, BLOCK_K = 128): each [BLOCK_M, 128] step of the activations (x's
-token rows in up, h's pair rows in down) is quantized in registers per (row, 128-wide group) by the weights' rule
-(kernels/fp8.quantize_tile) and multiplied on the fp8 tensor cores, the step's product scaled by the rows' and the
-weight rows' scales; their error is the activations' quantization (~2.6 % relative, as linear's FP8 prefill).
+prefill kernels run FP8 x FP8 instead (A_FP8, BLOCK_K = 128) on activations quantized beforehand per (row,
+128-wide group) by the weights' rule (kernels/fp8.quantize_activations, a pre-pass bit-identical to quantize_rows
+on the GPU): x once per call into fp8 token rows + scales, which the up kernel gathers by token as it gathers x;
+h (the up kernel's [P, I] output in x's dtype) by a second pre-pass into fp8 pair rows + scales for the down
+kernel. Each [BLOCK_M, 128] step is a tl.dot on the fp8 tensor cores scaled by the rows' and the weight rows'
+scales; the error is the activations' quantization (~2.6 % relative, as linear's FP8 prefill). (Quantizing in the
+K loops instead, as before, redid each activation tile once per N tile, on CUDA cores costing more than the
+wgmma: up 1,075 us, down 729 us per 35B layer at 4096 tokens, issue #16. The h pre-pass costs a read of h and
+an fp8 write, ~50 MB and ~15 us per 35B layer at 4096 tokens; quantizing h in the up kernel's epilogue would
+save that but needs BLOCK_N a multiple of 128 in an up tile that already runs out of registers.)
 The M = 1 GEMVs load BLOCK_K columns per step (a multiple of 128, or a divisor) at once and apply one scale per row
 per 128-column sub-step to that sub-step's summed products, so a step keeps BLOCK_K columns of loads in flight (one
 round trip per 128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one
@@ -52,7 +58,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_tile
+from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
 from kernels.launch import fast_launch
 from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -87,13 +93,14 @@ DEFAULT_CONFIGS = {
         "up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     },
-    # M > 64 with fp8 experts: FP8 x FP8 (QUANT_A), BLOCK_K fixed at 128 (one activation and one weight scale group
-    # per step). Not timed yet (tune_moe.py --prefill --weights fp8); picked from sm_90 compiles (ptxas, 35B shape):
-    # up 64 x 128 on 8 warps spills 76 B (every up tile spills: two accumulators, two dot results and the gathered
-    # rows' 64-bit addresses; 128 x 128 spills 1.5 KB), down 64 x 128 on 8 warps 205 registers, no spill
+    # M > 64 with fp8 experts: FP8 x FP8 (A_FP8) on pre-quantized activations, BLOCK_K fixed at 128 (one activation
+    # and one weight scale group per step). Not timed yet (tune_moe.py --prefill --weights fp8); picked from sm_90
+    # compiles (experiments/aot_sm90.py, 35B shape): up 64 x 64 on 8 warps 142 registers, no spill (64 x 128 on 8
+    # warps spills 20 B: two accumulators, two dot results and the gathered rows' 64-bit addresses); down 64 x 128 on
+    # 8 warps 174 registers, no spill
     "prefill_fp8": {
         "BLOCK_M": 64,
-        "up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+        "up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
         "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
     },
 }
@@ -161,7 +168,7 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
 
 
 def check_prefill_fp8_config(config: dict) -> None:
-    """The sorted prefill kernels with fp8 experts (QUANT_A) step exactly one 128-wide scale group per K step."""
+    """The sorted prefill kernels with fp8 experts (A_FP8) step exactly one 128-wide scale group per K step."""
     steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
     if steps != (SCALE_BLOCK_K, SCALE_BLOCK_K) or config["BLOCK_M"] < 16:
         raise ValueError(
@@ -828,77 +835,74 @@ def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def _quantized_dot(a, w, acc, s_ptrs, k0):
-    """acc + (a @ w) as FP8 x FP8: a [BLOCK_M, 128] (activations, any float dtype; columns past K loaded as 0) is
-    quantized per row (fp8.quantize_tile), w [128, BLOCK_N] is fp8 with its columns' (output rows') scales at s_ptrs
-    (K block 0; the step at k0 is block k0 // 128); the step's product is scaled by both."""
-    a_q, a_scale = quantize_tile(a)
-    w_scale = tl.load(s_ptrs + k0 // 128)
-    return acc + tl.dot(a_q, w) * (a_scale[:, None] * w_scale[None, :])
-
-
-@triton.jit
-def _up_tile_fp8(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr):
-    """_up_tile with fp8 experts on the sorted prefill path (QUANT_A): the tokens' activations are quantized per
-    128-column step and both products are FP8 x FP8 (as in _quantized_dot); one quantization serves gate and up."""
+def _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr):
+    """_up_tile with fp8 experts on the sorted prefill path (A_FP8): x_ptr holds the fp8 token rows [M, H] and
+    xs_ptr their scales [M, ceil(H / 128)] (kernels/fp8.quantize_activations), gathered by token; both products are
+    FP8 x FP8, each 128-column step's scaled by the token's and the weight rows' scales."""
     tokens = (pairs // TOP_K).to(tl.int64)
     n_mask = offs_n < I
     kb = tl.cdiv(H, 128)
     s_gate = s_ptr + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]; up rows are I further
+    xs_ptrs = xs_ptr + tokens * kb  # [BLOCK_M], at K block 0
     acc_gate = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     acc_up = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     for k0 in range(0, H, 128):
         offs_k = k0 + tl.arange(0, 128)
         k_mask = offs_k < H
         a = tl.load(x_ptr + tokens[:, None] * H + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a_q, a_scale = quantize_tile(a)
+        a_scale = tl.load(xs_ptrs + k0 // 128, mask=row_mask, other=0.0)  # [BLOCK_M]
         w_offs = offs_n[None, :] * H + offs_k[:, None]  # [128, BLOCK_N], gate rows; up rows are I further
         w_mask = k_mask[:, None] & n_mask[None, :]
         w_gate = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
         w_up = tl.load(w_ptr + I * H + w_offs, mask=w_mask, other=0.0)
         s_g, s_u = tl.load(s_gate + k0 // 128), tl.load(s_gate + I * kb + k0 // 128)
-        acc_gate += tl.dot(a_q, w_gate) * (a_scale[:, None] * s_g[None, :])
-        acc_up += tl.dot(a_q, w_up) * (a_scale[:, None] * s_u[None, :])
+        acc_gate += tl.dot(a, w_gate) * (a_scale[:, None] * s_g[None, :])
+        acc_up += tl.dot(a, w_up) * (a_scale[:, None] * s_u[None, :])
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     h_offs = pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
     tl.store(h_ptr + h_offs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _down_acc_fp8(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
-    """_down_acc with fp8 experts on the sorted prefill path (QUANT_A): h's pair rows quantized per 128-column
-    step, FP8 x FP8 (_quantized_dot) -> [BLOCK_M, BLOCK_N] fp32."""
+def _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
+    """_down_acc with fp8 experts on the sorted prefill path (A_FP8): h_ptr holds the fp8 pair rows [P, I] and
+    hs_ptr their scales [P, ceil(I / 128)]; each 128-column step FP8 x FP8, scaled by the pair's and the weight
+    rows' scales -> [BLOCK_M, BLOCK_N] fp32."""
     rows = pairs.to(tl.int64)
     n_mask = offs_n < H
-    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(I, 128)  # [BLOCK_N]
+    kb = tl.cdiv(I, 128)
+    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * kb  # [BLOCK_N]
+    hs_ptrs = hs_ptr + rows * kb  # [BLOCK_M], at K block 0
     acc = tl.zeros((pairs.shape[0], offs_n.shape[0]), tl.float32)
     for k0 in range(0, I, 128):
         offs_k = k0 + tl.arange(0, 128)
         k_mask = offs_k < I
         a = tl.load(h_ptr + rows[:, None] * I + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a_scale = tl.load(hs_ptrs + k0 // 128, mask=row_mask, other=0.0)  # [BLOCK_M]
         w = tl.load(w_ptr + offs_n[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _quantized_dot(a, w, acc, s_ptrs, k0)
+        w_scale = tl.load(s_ptrs + k0 // 128)  # [BLOCK_N]
+        acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
     return acc
 
 
 @fast_launch
 @triton.jit
 def _moe_up_sorted_kernel(
-    x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr,
+    x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr, xs_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_A: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
-    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. QUANT_A: the
-    experts are fp8 and the activations are quantized in the K loop (FP8 x FP8; BLOCK_K = 128)."""
+    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. A_FP8: the
+    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128)."""
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
-        if QUANT_A:
+        if A_FP8:
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
-            _up_tile_fp8(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
+            _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
         else:
             _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, w13_s_ptr, TOP_K, BLOCK_K, False)
 
@@ -906,20 +910,20 @@ def _moe_up_sorted_kernel(
 @fast_launch
 @triton.jit
 def _moe_down_sorted_kernel(
-    h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr,
+    h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr, hs_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_A: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
-    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. QUANT_A: fp8 experts, h quantized
-    in the K loop (FP8 x FP8; BLOCK_K = 128)."""
+    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. A_FP8: fp8 experts and an fp8 h
+    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
-        if QUANT_A:
+        if A_FP8:
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
-            acc = _down_acc_fp8(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+            acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
         else:
             acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, w2_s_ptr, BLOCK_K, False)
         rows = pairs.to(tl.int64)
@@ -971,7 +975,7 @@ def routed_partials_into(
     """Each (token, k) pair's weighted expert output -> partials [P, H] (rows t * K + k), on the aligned grouped
     path with caller-owned scratch: h [P, I] and partials in x's dtype (tests pass NaN-filled ones, so a row the
     kernels forget reaches the output). config overrides the table (tests, tuner); the scales: those of fp8
-    experts."""
+    experts, which run FP8 x FP8: x quantized by the pre-pass before the up kernel, h after it (four launches)."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -987,13 +991,15 @@ def routed_partials_into(
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     sorted_pairs, ends = align_pairs(ids, E, block_m)
     num_blocks, block_e = sorted_pairs.numel() // block_m, triton.next_power_of_2(E)
+    x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
     _moe_up_sorted_kernel[(triton.cdiv(I, up["BLOCK_N"]), num_blocks)](
-        x, w13, h, sorted_pairs, ends, P, E, H, I, w13_s,
-        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, QUANT_A=fp8, **up,
+        x_a, w13, h, sorted_pairs, ends, P, E, H, I, w13_s, x_s,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **up,
     )  # fmt: skip
+    h_a, h_s = quantize_activations(h) if fp8 else (h, h)
     _moe_down_sorted_kernel[(triton.cdiv(H, down["BLOCK_N"]), num_blocks)](
-        h, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s,
-        BLOCK_E=block_e, BLOCK_M=block_m, QUANT_A=fp8, **down,
+        h_a, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s, h_s,
+        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **down,
     )  # fmt: skip
     return partials
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, _div_rn_rows, quantize_rows, quantize_tile
+from kernels.fp8 import FP8, FP8_MAX, _div_rn_rows, quantize_activations, quantize_rows, quantize_tile
 from tests.helpers import exact_fp8_interpreter, fp8_interpreter_safe, fp8_interpreter_unsafe
 
 
@@ -228,3 +228,60 @@ def test_div_rn_rows_is_ieee_division():
     got = torch.empty_like(x)
     _div_kernel[(1,)](x, s, got, R=R)
     assert torch.equal(got.view(torch.int32), (x / s[:, None]).view(torch.int32))
+
+
+def assert_prepass_bit_identical(x: torch.Tensor, block_m: int = 64) -> None:
+    q, s = quantize_activations(x, block_m)
+    ref_q, ref_s = quantize_rows(x)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and q.is_contiguous() and s.is_contiguous()
+    assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32)), "scales differ"
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (
+        f"{(q.view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()} fp8 values differ"
+    )
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("M,K,block_m,reason", SHAPES, ids=[s[-1].split(":")[0] for s in SHAPES])
+def test_quantize_activations_equals_quantize_rows(M, K, block_m, reason, dtype):
+    """The pre-pass (kernels/fp8.quantize_activations) on interpreter-safe data with the same special groups as
+    above, its x a row slice of a wider buffer (a row stride): q and scales bit-identical to quantize_rows."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + K))
+    x[0, : min(K, 128)] = 0
+    if M > 3:
+        x[1, 5] = -50.0
+        x[2] *= 1000
+        x[3, : min(K, 128)] *= 1e-3
+    if M > 4 and dtype != F16:
+        x[4, : min(K, 128)] *= 1e-30
+    x = fp8_interpreter_safe(x.to(dtype))
+    wide = torch.full((M, K + 40), float("nan"), dtype=dtype)  # NaN beside the rows: a read past K shows
+    wide[:, 20 : 20 + K] = x
+    assert_prepass_bit_identical(wide[:, 20 : 20 + K], block_m)
+    assert_prepass_bit_identical(x, block_m)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_quantize_activations_inf_nan_and_empty():
+    """Non-finite values follow quantize_rows (the interpreter's conversion made exact); M = 0 returns empty tensors
+    of the right shapes; a non-2-D x is refused."""
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    x[0, 3], x[1, 200], x[2, 7], x[4, :128] = float("inf"), float("-inf"), float("nan"), float("nan")
+    with exact_fp8_interpreter():
+        q, s = quantize_activations(x)
+    ref_q, ref_s = quantize_rows(x)
+    assert torch.equal(s, ref_s) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    q, s = quantize_activations(torch.empty(0, 300))
+    assert q.shape == (0, 300) and s.shape == (0, 3)
+    with pytest.raises(ValueError, match="must be"):
+        quantize_activations(torch.empty(2, 3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_quantize_activations_gpu_bit_identical(dtype):
+    """The pre-pass compiled for the GPU on hard data (hard_rows), rows strided: bit-identical to quantize_rows."""
+    x = hard_rows(4099, 2048 + 72, "cuda").to(dtype)
+    assert_prepass_bit_identical(x)
+    wide = torch.zeros(4099, 2048 + 200, dtype=dtype, device="cuda")
+    wide[:, 64 : 64 + x.shape[1]] = x
+    assert_prepass_bit_identical(wide[:, 64 : 64 + x.shape[1]], 32)

@@ -1,7 +1,8 @@
 """The dense projection with FP8 weights (kernels/fp8.py layout) against the dequantized weight in float64: both
 kernel paths, split-K across scale-block boundaries, N and K not multiples of 128, the cuBLAS hand-over, fused row
-slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16). Above 64 rows FP8 x FP8 (QUANT_X: the
-activations quantized in the K loop), against the same quantization in float64 on interpreter-safe activations
+slices. Activations fp32 / fp16 (the interpreter's tl.dot is wrong on bf16). Above 64 rows FP8 x FP8 (the activations
+quantized by the pre-pass kernels/fp8.quantize_activations, then X_FP8: fp8 x fp8 steps),
+against the same quantization in float64 on interpreter-safe activations
 (tests/helpers.fp8_interpreter_safe), bf16 included (its dot is on fp8 tiles)."""
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from kernels.fp8 import dequantize, quantize_rows
 from kernels.linear import naive
 from kernels.linear import triton as lin
-from tests.helpers import fp8_interpreter_safe, poisoned, quantized_activations, rel_err
+from tests.helpers import exact_fp8_interpreter, fp8_interpreter_safe, poisoned, quantized_activations, rel_err
 
 # The weight is exactly its fp8 values times the scales, so the only error is the arithmetic's.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -118,9 +119,9 @@ def test_fp8_linear_gpu_bf16(N, K, M):
 )  # fmt: skip
 @pytest.mark.parametrize("M", [4096, 1000])
 def test_fp8_prefill_gpu_35b(N, K, M):
-    """The FP8 x FP8 prefill compiled for the GPU (fp8 wgmma, activations quantized in the K loop) at the 35B
-    projection shapes, bf16: against fp32 on the activations quantized by quantize_rows (the tile's quantization is
-    bit-identical to it, so only accumulation order and bf16 output rounding differ); bit-reproducible; one launch."""
+    """The FP8 x FP8 prefill compiled for the GPU (the activation pre-pass, then fp8 wgmma) at the 35B projection
+    shapes, bf16: against fp32 on the activations quantized by quantize_rows (the pre-pass is bit-identical to it,
+    so only accumulation order and bf16 output rounding differ); bit-reproducible; two launches."""
     gen = torch.Generator(device="cuda").manual_seed(N + K + M)
     x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
     x[7] *= 100
@@ -130,7 +131,7 @@ def test_fp8_prefill_gpu_35b(N, K, M):
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
     assert rel_err(out, x.float() @ dequantize(q, scale).T) < ACT_QUANT_TOL
     assert torch.equal(lin.linear(x, q, scale), out)
-    assert gpu_kernels(lambda: lin.linear(x, q, scale)) == ["_linear_kernel"]
+    assert gpu_kernels(lambda: lin.linear(x, q, scale)) == ["_quantize_activations_kernel", "_linear_kernel"]
 
 
 def gpu_kernels(fn) -> list[str]:
@@ -179,15 +180,15 @@ QUANT_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K,cfg,reason", QUANT_CASES, ids=[c[-1].split(":")[0] for c in QUANT_CASES])
-def test_fp8_prefill_quantizes_activations_in_the_k_loop(M, N, K, cfg, reason, dtype):
-    """linear_into(quantize_x=True): FP8 x FP8 with each (token, 128-wide group) of x quantized in the kernel, into
+def test_fp8_prefill_quantizes_activations_in_a_prepass(M, N, K, cfg, reason, dtype):
+    """linear_into(quantize_x=True): FP8 x FP8 with each (token, 128-wide group) of x quantized by the pre-pass, into
     NaN-filled outputs and split-K workspaces. Against the per-group quantized activations times the weight: only
     the accumulation's and the output's rounding; against the unquantized activations: the activations' FP8
     rounding, the op's stated error."""
     x, q, scale = make(M, N, K, torch.float32, seed=M + K)
     x = prefill_x(M, K, dtype, seed=M + N)
-    _, split, _, meta = lin.make_plan(M, N, K, cfg, fp8=True, quantize_x=True)
-    assert meta["QUANT_X"]
+    _, split, _, meta = lin.make_plan(M, N, K, cfg, fp8=True, fp8_x=True)
+    assert meta["X_FP8"]
     out = poisoned(M, N, dtype=dtype)
     ws = poisoned(split, M, N) if split > 1 else None
     lin.linear_into(x, q, out, config=cfg, workspace=ws, scale=scale, quantize_x=True)
@@ -200,27 +201,66 @@ def test_fp8_prefill_quantizes_activations_in_the_k_loop(M, N, K, cfg, reason, d
 
 @pytest.mark.parametrize("M,N,K", [(65, 40, 300), (300, 24, 128)], ids=["M 65", "M 300: 3 default row tiles"])
 def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K):
-    """linear() above 64 rows with an fp8 weight: one launch of the default FP8 x FP8 tile (FP8_PREFILL_CONFIG),
-    no torch pre-pass."""
+    """linear() above 64 rows with an fp8 weight: the pre-pass, then the default FP8 x FP8 tile
+    (FP8_PREFILL_CONFIG)."""
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     x = prefill_x(M, K, torch.float32, seed=K)
     out = lin.linear(x, q, scale)
     assert rel_err(out, quantized_activations(x) @ dequantize(q, scale, torch.float64).T) < QUANT_TOL[torch.float32]
     grid, split, _, meta = lin.fp8_prefill_plan(M, N, K)
-    assert meta["QUANT_X"] and meta["BLOCK_K"] == 128 and split == 1
+    assert meta["X_FP8"] and meta["BLOCK_K"] == 128 and split == 1
     assert grid == (-(-M // lin.FP8_PREFILL_CONFIG["BLOCK_M"]) * -(-N // lin.FP8_PREFILL_CONFIG["BLOCK_N"]),)
 
 
 def test_fp8_prefill_configs_are_checked():
-    """QUANT_X runs one activation scale group per K step: any BLOCK_K but 128 is refused in one line, as are the
-    GEMV path and a weight that is not fp8."""
+    """X_FP8 runs one activation scale group per K step: any BLOCK_K but 128 is refused in one line, as are the
+    GEMV path and a weight that is not fp8; an x_scale of the wrong shape or with a non-fp8 x, and quantize_x
+    together with x_scale, too."""
     for bad in (config(64, 64, 64), config(64, 64, 32, SPLIT_K=2), config(1, 8, 128)):
-        with pytest.raises(ValueError, match=r"quantize_x \(FP8 x FP8\) needs an fp8 weight and the dot path with "
-                           r"BLOCK_K = 128"):  # fmt: skip
-            lin.make_plan(65, 40, 300, bad, fp8=True, quantize_x=True)
+        with pytest.raises(ValueError, match=r"FP8 x FP8 \(fp8 activations\) needs an fp8 weight and the dot path "
+                           r"with BLOCK_K = 128"):  # fmt: skip
+            lin.make_plan(65, 40, 300, bad, fp8=True, fp8_x=True)
     x, q, scale = make(65, 40, 300, torch.float32)
     with pytest.raises(ValueError, match=r"got fp8=False"):
         lin.linear_into(x, dequantize(q, scale), torch.empty(65, 40), quantize_x=True)
+    xq, xs = quantize_rows(x)
+    for bad_x, bad_s in ((xq, xs[:, :2]), (x, xs), (xq, xs.double())):
+        with pytest.raises(ValueError, match=r"x_scale goes with an fp8 x"):
+            lin.linear_into(bad_x, q, torch.empty(65, 40), scale=scale, x_scale=bad_s)
+    with pytest.raises(ValueError, match=r"not both"):
+        lin.linear_into(xq, q, torch.empty(65, 40), scale=scale, x_scale=xs, quantize_x=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_prefill_takes_prequantized_activations(dtype):
+    """linear_into(x fp8, x_scale=...): the GEMM alone on activations quantized elsewhere (quantize_rows), its x a
+    row slice (a row stride), NaN-filled output and split-K workspace: equal to the same product in float64."""
+    M, N, K, cfg = 70, 45, 300, config(32, 32, 128, SPLIT_K=2)
+    _, q, scale = make(M, N, K, torch.float32, seed=3)
+    x = prefill_x(M, K, torch.float32, seed=4)
+    xq, xs = quantize_rows(x)
+    wide = torch.zeros(M, K + 16, dtype=torch.uint8).view(xq.dtype)
+    wide[:, 16:] = xq
+    out, ws = poisoned(M, N, dtype=dtype), poisoned(2, M, N)
+    lin.linear_into(wide[:, 16:], q, out, config=cfg, workspace=ws, scale=scale, x_scale=xs)
+    assert rel_err(out, dequantize(xq, xs, torch.float64) @ dequantize(q, scale, torch.float64).T) < QUANT_TOL[dtype]
+
+
+@pytest.mark.parametrize("M", [65, 200])
+def test_add_rms_norm_linear_fp8_prefill(M):
+    """The add + RMSNorm before an fp8 projection above 64 rows: the norm kernel, then the pre-pass quantizes the
+    normed rows (computed by a kernel, so the interpreter's conversion is made exact), then FP8 x FP8."""
+    N, K = 40, 300
+    x, q, scale = make(M, N, K, torch.float32, seed=M)
+    gen = torch.Generator().manual_seed(2)
+    residual, nw = torch.randn(M, K, generator=gen), 0.1 * torch.randn(K, generator=gen)
+    with exact_fp8_interpreter():
+        out, normed, hidden = lin.add_rms_norm_linear(x, residual, nw, 1e-6, q, scale)
+    _, ref_normed, _ = naive.add_rms_norm_linear(x, residual, nw, 1e-6, q, scale)
+    assert rel_err(normed, ref_normed) < TOL[torch.float32] and torch.equal(hidden, x + residual)
+    w = dequantize(q, scale, torch.float64)
+    assert rel_err(out, quantized_activations(normed) @ w.T) < QUANT_TOL[torch.float32]
+    assert rel_err(out, normed.double() @ w.T) < ACT_QUANT_TOL
 
 
 def test_fp8_prefill_can_dequantize_instead(monkeypatch):
