@@ -60,7 +60,7 @@ except Exception as e:
     tune_prefill) STAGE_TIMEOUT=300 run_stage tune_prefill python3 experiments/tune_prefill.py ;;
     profile_model) STAGE_TIMEOUT=300 run_stage profile_model python3 experiments/profile_model.py ;;
     profile_model_fp8) STAGE_TIMEOUT=300 run_stage profile_model_fp8 python3 experiments/profile_model.py --weights fp8 --sections prefill --out results/profile_model_fp8.json ;;
-    tune_moe_fp8_prefill) STAGE_TIMEOUT=400 run_stage tune_moe_fp8_prefill python3 experiments/tune_moe.py --shapes 35B --prefill --weights fp8 ;;
+    tune_moe_fp8_prefill) STAGE_TIMEOUT=300 run_stage tune_moe_fp8_prefill python3 experiments/tune_moe.py --shapes 35B --prefill --weights fp8 --m ${MOE_M:-4096} ;;
     tune_fp8_prefill) STAGE_TIMEOUT=240 run_stage tune_fp8_prefill python3 experiments/tune_fp8_prefill.py --out results/tune_fp8_prefill.json ;;
     pdl) STAGE_TIMEOUT=200 run_stage pdl python3 experiments/bench_pdl.py ;;
     fp8_probe) STAGE_TIMEOUT=200 run_stage fp8_probe python3 experiments/fp8_gemv_probe.py ;;
