@@ -133,8 +133,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # o_proj's weights stream into L2 while this kernel waits on the cache's latency (kernels/prefetch.py)
-    part = (b * HKV + kv_head) * NUM_SPLITS + split
-    l2_prefetch(pf_ptr, pf_bytes, part, tl.num_programs(0) * HKV * NUM_SPLITS, PREFETCH)
+    program = (b * HKV + kv_head) * NUM_SPLITS + split
+    l2_prefetch(pf_ptr, pf_bytes, program, tl.num_programs(0) * HKV * NUM_SPLITS, PREFETCH)
     wait_for_producers(PDL)
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
