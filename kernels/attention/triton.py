@@ -132,10 +132,10 @@ def _decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_producers(PDL)
     # o_proj's weights stream into L2 while this kernel waits on the cache's latency (kernels/prefetch.py)
     program = (b * HKV + kv_head) * NUM_SPLITS + split
     l2_prefetch(pf_ptr, pf_bytes, program, tl.num_programs(0) * HKV * NUM_SPLITS, PREFETCH)
-    wait_for_producers(PDL)
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)

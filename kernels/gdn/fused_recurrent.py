@@ -124,9 +124,10 @@ def _decode_kernel(
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
     v_old, v_shifted, v_w, v_w_new = _conv_load(conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
-    # behind this step's own loads: out_proj's weights stream into L2 while the recurrence waits on latency
-    l2_prefetch(pf_ptr, pf_bytes, (b * NV + h) * SV + split, tl.num_programs(0) * NV * SV, PREFETCH)
     wait_for_producers(PDL)
+    # after the wait (the states have arrived, the producer is done with HBM): out_proj's weights stream into
+    # L2 while the rest of the step runs on L2-resident inputs
+    l2_prefetch(pf_ptr, pf_bytes, (b * NV + h) * SV + split, tl.num_programs(0) * NV * SV, PREFETCH)
     conv_dtype = conv_ptr.dtype.element_ty
     q_x = tl.load(x_row + q_ch, mask=mk, other=0.0).to(conv_dtype)  # [BK]
     k_x = tl.load(x_row + k_ch, mask=mk, other=0.0).to(conv_dtype)

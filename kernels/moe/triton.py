@@ -715,8 +715,6 @@ def _moe_up_gemv_kernel(
         tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
         tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
     expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
-    w2_expert = w2_ptr + expert.to(tl.int64) * H * I
-    l2_prefetch(w2_expert, w2_expert_bytes, pid_n, tl.num_programs(0), PREFETCH)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
@@ -742,6 +740,8 @@ def _moe_up_gemv_kernel(
         gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
         h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+    # after this program's own rows have streamed: the down rows of its expert, for the down kernel
+    l2_prefetch(w2_ptr + expert.to(tl.int64) * H * I, w2_expert_bytes, pid_n, tl.num_programs(0), PREFETCH)
 
 
 @fast_launch
