@@ -45,10 +45,6 @@ from qmoe.runtime.generate import sampling_tensors
 from qmoe.settings import validate
 
 PROMPT_POS = 128
-# (row, environment variable, value): PDL off; the L2 prefetches (kernels/prefetch.py) off, or one site alone
-SWITCHES = [("pdl_off", "QMOE_PDL", "0"), ("prefetch_off", "QMOE_L2_PREFETCH", "0")]
-SWITCHES += [(f"prefetch_{site}_only", "QMOE_L2_PREFETCH", site) for site in ("gdn", "attention", "moe")]
-SWITCH_NAMES = {name for name, _, _ in SWITCHES}
 # M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages); the table's entry is always measured first
 GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2)],
@@ -101,10 +97,10 @@ def without(model, ops: dict, part: str) -> dict:
     if part == "moe":
         ops["moe"] = Patched(ops["moe"], moe_block=lambda rows, *args: rows)
     elif part == "gdn":
-        ops["gdn"] = Patched(ops["gdn"], gated_delta_net=lambda qkv, z, *args, **kw: zeros(z.shape, z.dtype, device))
+        ops["gdn"] = Patched(ops["gdn"], gated_delta_net=lambda qkv, z, *args: zeros(z.shape, z.dtype, device))
     elif part == "attention":
 
-        def attention(q, gate, *args, **kwargs):
+        def attention(q, gate, *args):
             return zeros((*q.shape[:2], q.shape[2] * q.shape[3]), q.dtype, device)
 
         ops["attention"] = Patched(ops["attention"], gated_attention=attention)
@@ -222,13 +218,11 @@ def main():
         parts[part] = step_ms(model, args.replays)
         print(f"without {part:<10} {parts[part]:.4f} ms", flush=True)
     model.ops = full_ops
-    for name, var, value in SWITCHES:  # the whole step with one mechanism off (or one L2 prefetch site alone)
-        os.environ[var] = value
-        parts[name] = step_ms(model, args.replays)
-        os.environ.pop(var)
-        print(f"{name:<18} {parts[name]:.4f} ms", flush=True)
+    os.environ["QMOE_PDL"] = "0"
+    parts["pdl_off"] = step_ms(model, args.replays)
+    os.environ.pop("QMOE_PDL")
     out["parts_ms"] = parts
-    out["part_cost_ms"] = {p: parts["none"] - ms for p, ms in parts.items() if p != "none" and p not in SWITCH_NAMES}
+    out["part_cost_ms"] = {p: parts["none"] - ms for p, ms in parts.items() if p not in ("none", "pdl_off")}
     save()
     if args.skip_descent:
         return
@@ -284,8 +278,7 @@ def main():
             for key, cfg in entries.items():
                 table.setdefault(key, {})["1"] = cfg
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"\nfloor {floor_ms:.3f} ms; step {parts['none']:.4f} ms (PDL off {parts['pdl_off']:.4f}, L2 prefetch off "
-          f"{parts['prefetch_off']:.4f}); "
+    print(f"\nfloor {floor_ms:.3f} ms; step {parts['none']:.4f} ms (PDL off {parts['pdl_off']:.4f}); "
           f"after descent {out['final_ms']:.4f} ms")  # fmt: skip
     print(f"{'part':<10} {'in-loop ms':>10}")
     for p, ms in out["part_cost_ms"].items():

@@ -73,7 +73,6 @@ def gated_attention(
     inv_freq: torch.Tensor,  # [R/2] fp32
     eps: float,
     scale: float,
-    prefetch: torch.Tensor | None = None,  # the Triton kernel's L2 hint (kernels/prefetch.py); no value depends on it
 ) -> torch.Tensor:
     """The gated attention layer between its q|k|v projection and o_proj -> [B, T, Hq * D]: q/k norm + RoPE,
     causal GQA attention over the cache (new k/v written in place), times sigmoid(gate)."""

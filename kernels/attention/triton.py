@@ -30,7 +30,6 @@ import kernels
 from kernels.counters import ArrivalCounters
 from kernels.launch import fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
-from kernels.prefetch import l2_prefetch, prefetch_args
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
 MAX_SPLITS = 64  # experiments/tune_attention.py: 64 splits of 8 warps beat 128 of 4 at every context, 256 to 32k
@@ -122,20 +121,16 @@ def _decode_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
     o_part_ptr, lse_part_ptr, arrivals_ptr, out_ptr, eps, scale_log2,
     stride_qb, stride_qh, stride_gb, stride_gh, stride_kb, stride_kh, stride_vb, stride_vh,
-    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_pb, pf_ptr, pf_bytes,
+    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_pb,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
+    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    wait_for_producers(PDL)
-    # o_proj's weights stream into L2 while this kernel waits on the cache's latency (kernels/prefetch.py)
-    program = (b * HKV + kv_head) * NUM_SPLITS + split
-    l2_prefetch(pf_ptr, pf_bytes, program, tl.num_programs(0) * HKV * NUM_SPLITS, PREFETCH)
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
@@ -338,14 +333,12 @@ def decode_attention_into(
     o_part,
     lse_part,
     options=None,
-    prefetch=None,
 ) -> None:
     """One query token per row (T == 1), one launch: norm + RoPE q and k, write k/v into the caches at
     positions[:, 0], attend over keys 0..pos, times sigmoid(gate) -> out [B, 1, HQ * D] (contiguous).
     q, gate [B, 1, HQ, D] and k, v [B, 1, HKV, D] may be strided views (head dim contiguous). o_part
     [B, HQ, splits, D] and lse_part [B, HQ, splits] (fp32) are the split-K workspace; splits = o_part.shape[2].
-    options: launch options over _decode_config's (BLOCK_N, num_warps, num_stages; the tuner's candidates).
-    prefetch: the next kernel's weights (o_proj's), pulled into L2 during the call (kernels/prefetch.py)."""
+    options: launch options over _decode_config's (BLOCK_N, num_warps, num_stages; the tuner's candidates)."""
     B, _, HQ, D = q.shape
     HKV = k_cache.shape[1]
     splits = o_part.shape[2]
@@ -354,15 +347,14 @@ def decode_attention_into(
     assert out.is_contiguous() and o_part.is_contiguous() and lse_part.is_contiguous()
     G = HQ // HKV
     on = pdl(q)
-    pf_ptr, pf_bytes, pf_on = prefetch_args(prefetch, q, "attention")
     _decode_kernel[(B, HKV, splits)](
         q, gate, k, v, q_weight, k_weight, inv_freq, k_cache, v_cache, positions, o_part, lse_part,
         split_arrivals(B * HKV, q.device), out, eps, scale * 1.4426950408889634,
         q.stride(0), q.stride(2), gate.stride(0), gate.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0), pf_ptr, pf_bytes,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0),
         HQ=HQ, HKV=HKV, G=G, D=D, HALF=inv_freq.shape[0], NUM_SPLITS=splits, PDL=on, launch_pdl=on,
-        PREFETCH=pf_on, **{**_decode_config(G, D, splits, k_cache.dtype), **(options or {})},
+        **{**_decode_config(G, D, splits, k_cache.dtype), **(options or {})},
     )  # fmt: skip
 
 
@@ -404,8 +396,7 @@ def prefill_attention_into(
     )  # fmt: skip
 
 
-def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale,
-            prefetch=None) -> torch.Tensor:  # fmt: skip
+def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale) -> torch.Tensor:
     # One entry for every T: the decode/prefill choice happens here, at run time, so torch.export with a
     # dynamic T records no guard on T == 1.
     B, T, HQ, D = q.shape
@@ -416,7 +407,7 @@ def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_
         lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, o_part, lse_part)
         options = {name: value for name, value in DECODE_OPTIONS.items() if name != "splits"} or None
-        decode_attention_into(q, gate, k, v, *args, options=options, prefetch=prefetch)
+        decode_attention_into(q, gate, k, v, *args, options=options)
     else:
         q_normed = torch.empty(B, T, HQ, D, dtype=q.dtype, device=q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, q_normed)
@@ -438,13 +429,12 @@ def _gated_attention_op(
     inv_freq: torch.Tensor,
     eps: float,
     scale: float,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, prefetch)
+    return _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale)
 
 
 @_gated_attention_op.register_fake
-def _(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, prefetch=None):
+def _(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale):
     B, T, HQ, D = q.shape
     return q.new_empty(B, T, HQ * D)
 
@@ -462,9 +452,8 @@ def gated_attention(
     inv_freq: torch.Tensor,  # [R/2] fp32
     eps: float,
     scale: float,
-    prefetch: torch.Tensor | None = None,  # the next kernel's weights (o_proj's): decode pulls them into L2
 ) -> torch.Tensor:
     """naive.gated_attention: q/k norm + RoPE, causal GQA attention over the cache, times sigmoid(gate)
     -> [B, T, Hq * D]; decode (T == 1) in one launch, prefill in two."""
     op = _gated_attention_op if kernels.tracing() else _launch
-    return op(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, prefetch)
+    return op(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale)

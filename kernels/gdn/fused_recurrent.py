@@ -27,7 +27,6 @@ from kernels.counters import ArrivalCounters
 from kernels.gdn.gates import gates
 from kernels.launch import fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
-from kernels.prefetch import l2_prefetch, prefetch_args
 
 
 @triton.jit
@@ -80,8 +79,6 @@ def _decode_kernel(
     norm_arrivals_ptr,  # [B*NV] int32 zeros: value splits of a head done with their slice of o; left at 0
     sumsq_ptr,  # [B*NV*SV] fp32 scratch: each value split's sum of o^2
     out_ptr,  # [B, NV*DV]
-    pf_ptr,  # the next kernel's weights (out_proj), pulled into L2 with PREFETCH (kernels/prefetch.py)
-    pf_bytes,
     C,
     stride_x,
     stride_z,
@@ -99,7 +96,6 @@ def _decode_kernel(
     BV: tl.constexpr,  # the value columns of one program: next_power_of_2(DV) // SV
     SV: tl.constexpr,  # value splits per head
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     allow_dependents(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -125,9 +121,6 @@ def _decode_kernel(
     v_old, v_shifted, v_w, v_w_new = _conv_load(conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
     wait_for_producers(PDL)
-    # after the wait (the states have arrived, the producer is done with HBM): out_proj's weights stream into
-    # L2 while the rest of the step runs on L2-resident inputs
-    l2_prefetch(pf_ptr, pf_bytes, (b * NV + h) * SV + split, tl.num_programs(0) * NV * SV, PREFETCH)
     conv_dtype = conv_ptr.dtype.element_ty
     q_x = tl.load(x_row + q_ch, mask=mk, other=0.0).to(conv_dtype)  # [BK]
     k_x = tl.load(x_row + k_ch, mask=mk, other=0.0).to(conv_dtype)
@@ -220,12 +213,10 @@ def gated_delta_net_decode(
     recurrent_state,
     num_k_heads,
     eps,
-    prefetch=None,
     splits=None,
 ) -> torch.Tensor:
     """naive.gated_delta_net for T == 1 as one kernel launch; same arguments, same in-place state updates.
     mixed_qkv, z, a and b may be row-strided views (the fused in_proj's slices): read in place, never copied.
-    prefetch: the next kernel's weights (out_proj's), pulled into L2 during the step (kernels/prefetch.py).
     splits: value splits per head (a power of two; value_splits() when None; tests pin it)."""
     B, T, C = mixed_qkv.shape
     assert T == 1
@@ -240,13 +231,11 @@ def gated_delta_net_decode(
     sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
     kw = conv_weight.shape[-1]
     on = pdl(mixed_qkv)
-    pf_ptr, pf_bytes, pf_on = prefetch_args(prefetch, mixed_qkv, "gdn")
     _decode_kernel[(B, nv, splits)](
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
-        reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out, pf_ptr, pf_bytes,
+        reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
-        PDL=on, PREFETCH=pf_on, launch_pdl=on,
-        num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV >= 128 * 64 else 4),
+        PDL=on, launch_pdl=on, num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV >= 128 * 64 else 4),
     )  # fmt: skip
     return out

@@ -88,7 +88,6 @@ def gated_delta_net(
     recurrent_state: torch.Tensor,  # [B, nv, dk, dv] fp32, updated in place
     num_k_heads: int,
     eps: float,
-    prefetch: torch.Tensor | None = None,  # the Triton kernel's L2 hint (kernels/prefetch.py); no value depends on it
 ) -> torch.Tensor:
     """DeltaNet core between in_proj and out_proj -> [B, T, nv * dv]: conv + SiLU, gates, the delta rule
     (recurrent step for T == 1, chunked otherwise) and the gated RMSNorm."""

@@ -27,25 +27,19 @@ def _gated_delta_net(
     recurrent_state: torch.Tensor,
     num_k_heads: int,
     eps: float,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _launch(
-        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps,
-        prefetch,
-    )  # fmt: skip
+        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
+    )
 
 
-def _launch(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps,
-            prefetch=None):  # fmt: skip
-    args = (mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps)
-    if mixed_qkv.shape[1] == 1:
-        return gated_delta_net_decode(*args, prefetch=prefetch)
-    return gated_delta_net_prefill(*args)
+def _launch(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps):
+    impl = gated_delta_net_decode if mixed_qkv.shape[1] == 1 else gated_delta_net_prefill
+    return impl(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, nk, eps)
 
 
 @_gated_delta_net.register_fake
-def _(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps,
-      prefetch=None):  # fmt: skip
+def _(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps):
     B, T, _ = mixed_qkv.shape
     return mixed_qkv.new_empty(B, T, recurrent_state.shape[1] * recurrent_state.shape[3])
 
@@ -63,11 +57,9 @@ def gated_delta_net(
     recurrent_state: torch.Tensor,  # [B, nv, dk, dv] fp32, updated in place
     num_k_heads: int,
     eps: float,
-    prefetch: torch.Tensor | None = None,  # the next kernel's weights (out_proj's): decode pulls them into L2
 ) -> torch.Tensor:
     """DeltaNet core between in_proj and out_proj -> [B, T, nv * dv], as naive.gated_delta_net."""
     op = _gated_delta_net if kernels.tracing() else _launch
     return op(
-        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps,
-        prefetch,
-    )  # fmt: skip
+        mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps
+    )

@@ -62,7 +62,6 @@ from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
 from kernels.launch import fast_launch
 from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
-from kernels.prefetch import l2_prefetch, prefetch_on
 from kernels.tuned import load_table
 
 __all__ = ["route", "fused_moe", "moe_block"]
@@ -695,16 +694,15 @@ def _down_gemv_fp8(
 @fast_launch
 @triton.jit
 def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr, w2_ptr, w2_expert_bytes,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
     reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
-    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). PREFETCH: the programs of
-    expert k pull its down rows (w2[e], w2_expert_bytes) into L2 for the down kernel (kernels/prefetch.py)."""
+    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns)."""
     allow_dependents(PDL)
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
@@ -740,8 +738,6 @@ def _moe_up_gemv_kernel(
         gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
         h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
-    # after this program's own rows have streamed: the down rows of its expert, for the down kernel
-    l2_prefetch(w2_ptr + expert.to(tl.int64) * H * I, w2_expert_bytes, pid_n, tl.num_programs(0), PREFETCH)
 
 
 @fast_launch
@@ -810,10 +806,9 @@ def moe_block_gemv(
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s, w2,
-        H * I * w2.element_size(), TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E),
-        EVEN_K=H % up["BLOCK_K"] == 0, SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on,
-        PREFETCH=prefetch_on(x, "moe") and w2.is_contiguous(), launch_pdl=on, **up,
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,

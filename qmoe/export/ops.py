@@ -31,7 +31,6 @@ def gated_delta_net(
     recurrent_state: torch.Tensor,
     num_k_heads: int,
     eps: float,
-    prefetch: torch.Tensor | None = None,  # the Triton kernel's L2 hint: unread here
 ) -> torch.Tensor:
     return gdn_naive.gated_delta_net(
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, num_k_heads, eps

@@ -114,9 +114,7 @@ class GatedAttention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         norms, caches = (self.q_norm.weight, self.k_norm.weight), (self.k_cache, self.v_cache)
         scale = self.head_dim**-0.5
-        out = ops["attention"].gated_attention(
-            q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale, prefetch=self.o_proj.weight
-        )  # the kernel pulls o_proj's weights into L2 while it waits on the cache (kernels/prefetch.py)
+        out = ops["attention"].gated_attention(q, gate, k, v, *norms, *caches, positions, inv_freq, self.eps, scale)
         out = ops["linear"].linear(out, self.o_proj.weight, scale_of(self.o_proj))  # out [B, T, Hq * D]
         return collectives.reduced(out, self.group)
 
@@ -179,7 +177,6 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state,
             self.nk,
             self.eps,
-            prefetch=self.out_proj.weight,  # pulled into L2 while the recurrence waits on latency
         )
         return collectives.reduced(
             ops["linear"].linear(core, self.out_proj.weight, scale_of(self.out_proj)), self.group
