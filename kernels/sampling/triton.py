@@ -465,7 +465,8 @@ def _gather_count_kernel(
     use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
     # per slot and threshold, reduced across threads once after the loop (as in the radix rounds): the same time
     # as a tl.histogram of each token's bucket for counts, and top-p's masses without one cross-thread reduction
-    # per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696; results/probe_sampling_count.json)
+    # per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696:
+    # results/probe_sampling_count.json)
     cnt_slots = tl.zeros((R, BLOCK, NT), tl.int32)
     mass_slots = tl.zeros((R, BLOCK, NT), tl.float32)
     mass_spec = tl.zeros((R, BLOCK), tl.float32)
@@ -758,10 +759,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
     of 2 >= 4; 8: at B = 256 top-k 50 + top-p 0.9 825 us against 1,072 with 16 and the same tokens on every
-    shape, while 4 sent zipf rows to the radix rounds, 5.4 ms; results/probe_sampling_count.json) / rows (rows per program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per
-    round, a power of 2; default on the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning
-    knobs; tests shrink cap
-    to send rows to the regather and the radix rounds and set split on the CPU.
+    shape, while 4 sent zipf rows to the radix rounds, 5.4 ms: results/probe_sampling_count.json) / rows (rows per
+    program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per round, a power of 2; default on
+    the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
+    rows to the regather and the radix rounds and set split on the CPU.
     rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
     receives the rows' state: phase, cut, rounds per phase) are test hooks."""
     B, V = logits.shape
