@@ -90,12 +90,29 @@ def _block_mask(off, end, row_ok, BLOCK: tl.constexpr):
 
 @triton.jit
 def _load_block(base, off, end, row_ok, BLOCK: tl.constexpr):
-    """The rows' logits at columns off .. off + BLOCK as fp32 [R, BLOCK], -inf past `end` and on rows not ok.
-    Every pass loads the block after the one it works on first (`x_next`), so each program keeps two blocks in
-    flight: a pass that waits on each block's load before its math reached ~1.9 TB/s (stats) and ~0.25 TB/s
-    (gather + count, heavier math) at B = 256 on the H200 (profile_sampling at 9be5f7d)."""
+    """The rows' logits at columns off .. off + BLOCK as fp32 [R, BLOCK], -inf past `end` and on rows not ok."""
     cols, msk = _block_mask(off, end, row_ok, BLOCK)
     return tl.load(base + cols[None, :], mask=msk, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _chunk_span(chunk, chunk_blocks, V, BLOCK: tl.constexpr):
+    """Columns [start, end) of a row's chunk: whole blocks (aligned, vectorised loads), the last one cut at V."""
+    chunk_len = chunk_blocks * BLOCK
+    start = chunk * chunk_len
+    return start, tl.minimum(start + chunk_len, V)
+
+
+@triton.jit
+def _next_block(base, x_next, off, end, row_ok, BLOCK: tl.constexpr):
+    """A pass's step at block `off`: (its logits, loaded one step earlier, with -0.0 as +0.0; the load of the block
+    after it; cols; mask). Every pass thus keeps two blocks in flight per program: waiting on each block's load
+    before its math held the passes at ~1.9 TB/s (stats) and ~0.25 TB/s (gather + count) at B = 256 on the H200
+    (profile_sampling at 9be5f7d). Start with x_next = _load_block(base, start, end, row_ok, BLOCK)."""
+    x = x_next + 0.0
+    x_next = _load_block(base, off + BLOCK, end, row_ok, BLOCK)
+    cols, msk = _block_mask(off, end, row_ok, BLOCK)
+    return x, x_next, cols, msk
 
 
 @triton.jit
@@ -139,17 +156,13 @@ def _stats_kernel(
     x_min = tl.full((R, BLOCK), float("inf"), tl.float32)
     s1 = tl.zeros((R, BLOCK), tl.float32)
     s2 = tl.zeros((R, BLOCK), tl.float32)
-    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-    start = chunk * chunk_len
-    end = tl.minimum(start + chunk_len, V)
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     x_next = _load_block(base, start, end, row_ok, BLOCK)
     for off in range(start, end, BLOCK):
-        x = x_next
-        x_next = _load_block(base, off + BLOCK, end, row_ok, BLOCK)
-        cols, msk = _block_mask(off, end, row_ok, BLOCK)
+        x, x_next, cols, msk = _next_block(base, x_next, off, end, row_ok, BLOCK)
         nan = x != x
         nan_slots |= nan.to(tl.int32)
-        x = tl.where(nan, float("-inf"), x) + 0.0
+        x = tl.where(nan, float("-inf"), x)
         m_new = tl.maximum(best, x)
         if any_sampled:
             ref_old = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
@@ -472,14 +485,11 @@ def _gather_count_kernel(
     mass_spec = tl.zeros((R, BLOCK), tl.float32)
     SW: tl.constexpr = NT + 1
     sbase = (rows * split + chunk) * SW  # this chunk's partials
-    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-    start = chunk * chunk_len
-    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, tl.minimum(start + chunk_len, V), start)  # else no pass
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, end, start)  # else no pass
     x_next = _load_block(base, start, stop, filtered, BLOCK)  # active rows have no NaN
     for off in range(start, stop, BLOCK):
-        x = x_next + 0.0
-        x_next = _load_block(base, off + BLOCK, stop, filtered, BLOCK)
-        cols, msk = _block_mask(off, stop, filtered, BLOCK)
+        x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
         p = tl.exp2((x - m[:, None]) * c[:, None])
         take = (x >= spec[:, None]) & msk
         _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
@@ -558,14 +568,10 @@ def _regather_kernel(
     if tl.max(busy.to(tl.int32)) > 0:
         base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
         s = tl.load(sf + F_S, mask=busy, other=float("inf"))
-        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-        start = chunk * chunk_len
-        end = tl.minimum(start + chunk_len, V)
+        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
         x_next = _load_block(base, start, end, busy, BLOCK)
         for off in range(start, end, BLOCK):
-            x = x_next + 0.0
-            x_next = _load_block(base, off + BLOCK, end, busy, BLOCK)
-            cols, msk = _block_mask(off, end, busy, BLOCK)
+            x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)
             _gather_block(x, cols, msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
                           buf_idx_ptr, CAP)  # fmt: skip
         tl.debug_barrier()  # every thread's stores before the release below
@@ -628,14 +634,10 @@ def _radix_round_kernel(
         mass_slots = tl.zeros((R, BLOCK, NB), tl.float32)
         cnt_above = tl.zeros((R, BLOCK), tl.int32)  # key > hi: at or above every threshold
         mass_above = tl.zeros((R, BLOCK), tl.float32)
-        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-        start = chunk * chunk_len
-        end = tl.minimum(start + chunk_len, V)
+        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
         x_next = _load_block(base, start, end, busy, BLOCK)
         for off in range(start, end, BLOCK):
-            x = x_next + 0.0  # -0.0 -> +0.0, as in every key
-            x_next = _load_block(base, off + BLOCK, end, busy, BLOCK)
-            cols, msk = _block_mask(off, end, busy, BLOCK)
+            x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)  # -0.0 as +0.0: every key
             key = _ordered_key(x)
             above = msk & (key > hi32[:, None])
             cnt_above += above.to(tl.int32)
@@ -712,14 +714,10 @@ def _race_kernel(
         step = tl.load(step_ptr + rows * step_stride, mask=racing, other=0).to(tl.int64)
         best = tl.full((R, BLOCK), float("-inf"), tl.float32)
         best_idx = tl.zeros((R, BLOCK), tl.int32) + V
-        chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-        start = chunk * chunk_len
-        end = tl.minimum(start + chunk_len, V)
+        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
         x_next = _load_block(base, start, end, racing, BLOCK)
         for off in range(start, end, BLOCK):
-            x = x_next + 0.0
-            x_next = _load_block(base, off + BLOCK, end, racing, BLOCK)
-            cols, msk = _block_mask(off, end, racing, BLOCK)
+            x, x_next, cols, msk = _next_block(base, x_next, off, end, racing, BLOCK)
             keep = msk & (_ordered_key(x) >= cut[:, None]) & (x > float("-inf"))
             keep &= tl.exp2((x - m[:, None]) * c[:, None]) >= min_p[:, None]  # min-p 0 when off
             race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
