@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-# Under pytest-xdist (the README's `-n 2`) each worker takes its share of the cores: torch's intra-op threads would
-# otherwise oversubscribe them (2 workers x 2 threads on the 2-core CI machine).
+# Under pytest-xdist (the README's `-n logical`) each worker takes its share of the cores: torch's intra-op threads
+# would otherwise oversubscribe them (2 workers x 2 threads on the 2-core CI machine).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and not HAS_CUDA:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
