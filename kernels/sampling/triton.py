@@ -847,9 +847,8 @@ def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_pt
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32) + V
     nan_seen = tl.zeros((BLOCK,), tl.int32)
-    chunk_len = chunk_blocks * BLOCK  # a multiple of BLOCK: aligned, vectorised loads
-    start = chunk * chunk_len
-    for off in range(start, tl.minimum(start + chunk_len, V), BLOCK):
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         nan_seen |= (x != x).to(tl.int32)
