@@ -110,7 +110,7 @@ def sampling_args(B: int) -> tuple:
 @torch.no_grad()
 def count_decode_step(counter: LaunchCounter, B: int = 1) -> tuple[Counter, int]:
     """(launches per group of one decode step after a short prefill, number of layers) of the fp16 tiny model
-    (fp16: the logits' fp32 cast launches, as in bf16 on the GPU; the interpreter's fp16 dots are exact enough)."""
+    (fp16: the logits' fp32 cast launches, as in bf16 on the GPU)."""
     cfg = tiny_config()
     model = build_model(cfg, torch.float16, "cpu", seed=1)
     model.set_kernels(TRITON_KERNELS, greedy=True)
