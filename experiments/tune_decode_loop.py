@@ -124,8 +124,8 @@ def without(model, ops: dict, part: str) -> dict:
     return ops
 
 
-def step_ms(model, replays: int) -> float:
-    """One decode step at position PROMPT_POS, captured in a CUDA graph -> median ms per replay."""
+def capture_step(model) -> torch.cuda.CUDAGraph:
+    """One decode step at position PROMPT_POS (forward + greedy sample), warmed up and captured in a CUDA graph."""
     device = model.device
     tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
     input_pos = torch.full((1,), PROMPT_POS, dtype=torch.long, device=device)
@@ -142,8 +142,15 @@ def step_ms(model, replays: int) -> float:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
+    graph.inputs = tokens, input_pos, params, sample_step  # replays read them: they live as long as the graph
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def step_ms(model, replays: int) -> float:
+    """capture_step's graph -> median ms per replay (`replays` back to back, median of 3 such runs)."""
+    graph = capture_step(model)
     return event_median_us(lambda: [graph.replay() for _ in range(replays)], 3) / replays / 1e3
 
 

@@ -1,0 +1,170 @@
+"""Where the graphed 35B-A3B decode step spends its time, kernel by kernel, with PDL overlap as it runs.
+
+tune_decode_loop.py's parts remove one op group at a time; this script reads the step's own timeline instead: the
+step (forward + greedy sample, as the CUDA-native runner's graph holds it) is captured in a CUDA graph and replayed
+under torch.profiler, and every kernel's start and end come from CUPTI. Under Programmatic Dependent Launch a
+kernel starts before its producer ends, so a kernel's duration overstates what it adds; what it adds to the step
+is its *increment*: its end minus the latest end of the kernels before it. The increments of one replay sum to
+the replay's span. Per kernel kind (the projection shape, mixer, MoE launch) the JSON gives the count, the
+increments, the durations, the overlap with the producer (start minus the producer's end, negative under PDL), the
+bytes its weights and states must move and the bandwidth of those bytes over the increments.
+
+    PYTHONPATH=.:experiments python experiments/profile_decode_loop.py [--out results/profile_decode_loop.json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from bench_e2e import TRITON_GROUPS, config
+from benchlib import ceilings, write_json
+from tune_decode_loop import PROMPT_POS, capture_step, step_ms
+
+from kernels.linear import triton as linear_triton
+from qmoe.app import get_model
+from qmoe.metrics.measure import active_weight_bytes
+from qmoe.settings import validate
+
+
+def projection_kinds(model) -> dict:
+    """Grid size of the M = 1 GEMV -> (kind, weight bytes) for the step's projection shapes."""
+    c, H, item = model.config, model.config.hidden_size, model.dtype.itemsize
+    shapes = {  # kind: (N, K)
+        "gdn in_proj (+ add, RMSNorm)": (12352, H),
+        "attention qkv (+ add, RMSNorm)": (9216, H),
+        "out_proj / o_proj": (H, 4096),
+        "moe_in (+ add, RMSNorm)": (c.num_experts + 2 * c.shared_expert_intermediate_size + 1, H),
+        "lm_head": (c.vocab_size, H),
+    }
+    kinds = {}
+    for kind, (N, K) in shapes.items():
+        grid = linear_triton.cached_plan(1, N, K, model.dtype, model.device)[0][0]
+        assert grid not in kinds, f"two projection shapes share the grid {grid}: {kinds[grid]}, {kind}"
+        kinds[grid] = (kind, N * K * item)
+    return kinds
+
+
+def kind_of(event: dict, previous: str, projections: dict, model) -> tuple[str, int]:
+    """A kernel event -> (kind, bytes its weights / states must move from HBM; 0 where latency, not bytes, rules)."""
+    name, grid = event["name"], tuple(event["args"].get("grid", (0, 0, 0)))
+    c, item = model.config, model.dtype.itemsize
+    if name.startswith("_linear_kernel") and grid[0] in projections:
+        kind, nbytes = projections[grid[0]]
+        if kind.startswith("out_proj"):  # the same shape after both mixers
+            kind = "o_proj (after attention)" if previous.startswith("attention") else "out_proj (after DeltaNet)"
+        return kind, nbytes
+    if name.startswith("_moe_up_gemv_kernel"):
+        return "moe up (routing + 8 experts' gate, up)", c.num_experts_per_tok * 2 * c.moe_intermediate_size * c.hidden_size * item
+    if name.startswith("_moe_down_gemv_kernel"):
+        rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
+        return "moe down (8 experts + shared, combine)", rows * c.hidden_size * item
+    if name.startswith("_decode_kernel"):  # attention's grid is (B, kv heads, splits), DeltaNet's (B, v heads, splits)
+        if grid[1] == c.num_key_value_heads:
+            return "attention decode", 0
+        return "DeltaNet decode", 0
+    return name.split("(")[0][:60], 0
+
+
+def replay_kernels(trace_path: str, per_replay: int) -> list[list[dict]]:
+    """The trace's kernel events in start order, cut into replays of per_replay kernels each."""
+    events = json.load(open(trace_path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    n = len(kernels) // per_replay
+    return [kernels[i * per_replay : (i + 1) * per_replay] for i in range(n)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/profile_decode_loop.json")
+    parser.add_argument("--replays", type=int, default=20)
+    args = parser.parse_args()
+    t0 = time.time()
+    ceil = ceilings("cuda")
+    cfg = config("model=qwen35_moe")
+    model = get_model(cfg, validate(cfg), progress=False).model
+    model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
+    model.setup_caches(1, PROMPT_POS + 16)
+    floor_ms = active_weight_bytes(model.config, model.dtype) / (ceil["copy_gbs"] * 1e9) * 1e3
+    runs = {}
+    for pdl_on in (True, False):  # PDL off: each kernel runs alone, its duration is all it costs
+        os.environ["QMOE_PDL"] = "1" if pdl_on else "0"
+        runs["pdl" if pdl_on else "pdl_off"] = timeline(model, args.replays, ceil)
+    os.environ.pop("QMOE_PDL")
+    write_json(
+        args.out, "profile_decode_loop", "cuda", ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, **runs,
+        seconds=time.time() - t0,
+    )  # fmt: skip
+    off = {r["kind"]: r for r in runs["pdl_off"]["kinds"]}
+    run = runs["pdl"]
+    print(f"floor {floor_ms:.3f} ms; step {run['replay_ms_unprofiled']:.4f} ms unprofiled, profiled span "
+          f"{run['span_us_profiled'] / 1e3:.4f} ms, {run['kernels_per_step']} kernels; PDL off "
+          f"{runs['pdl_off']['replay_ms_unprofiled']:.4f} ms")  # fmt: skip
+    print(f"{'kind':<42} {'n':>4} {'incr us':>9} {'each':>6} {'dur':>6} {'overlap':>7} {'no-PDL':>7} "
+          f"{'floor us':>8} {'GB/s':>6}")  # fmt: skip
+    for r in run["kinds"]:
+        gbs = f"{r['gbs_over_increment']:.0f}" if r["gbs_over_increment"] else "-"
+        alone = off[r["kind"]]["increment_us_each"] if r["kind"] in off else float("nan")
+        print(f"{r['kind'][:42]:<42} {r['per_step']:>4} {r['increment_us']:>9.1f} {r['increment_us_each']:>6.2f} "
+              f"{r['duration_us_each']:>6.2f} {r['overlap_us_each']:>7.2f} {alone:>7.2f} {r['floor_us']:>8.1f} "
+              f"{gbs:>6}")  # fmt: skip
+
+
+def timeline(model, replays: int, ceil: dict) -> dict:
+    """The step's graph replayed under the profiler -> its span and the per-kind table (see the docstring)."""
+    replay_ms = step_ms(model, 100)  # the step without the profiler, for comparison
+    graph = capture_step(model)
+    trace = tempfile.mktemp(suffix=".json")
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:  # kernels per replay: one replay alone
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace)
+    per_replay = len(replay_kernels(trace, 1)[0])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace)
+    timed = replay_kernels(trace, per_replay)[2:]  # the first replays warm the profiler
+    projections = projection_kinds(model)
+    spans, per_kind, one_replay = [], defaultdict(lambda: defaultdict(list)), []
+    for kernels in timed:
+        start0 = kernels[0]["ts"]
+        latest_end, previous = start0, ""
+        for e in kernels:
+            end = e["ts"] + e["dur"]
+            kind, nbytes = kind_of(e, previous, projections, model)
+            if kernels is timed[len(timed) // 2]:  # one replay kernel by kernel, times from its first start
+                grid = e["args"].get("grid")
+                one_replay.append(dict(kind=kind, grid=grid, start=e["ts"] - start0, dur=e["dur"]))
+            row = per_kind[kind]
+            row["increment"].append(max(end - latest_end, 0.0))
+            row["duration"].append(e["dur"])
+            row["overlap"].append(e["ts"] - latest_end)
+            row["bytes"].append(nbytes)
+            latest_end, previous = max(latest_end, end), kind
+        spans.append(latest_end - start0)
+    n = len(timed)
+    table = []
+    for kind, row in per_kind.items():
+        inc = sum(row["increment"]) / n  # µs per step
+        nbytes = sum(row["bytes"]) / n
+        table.append({
+            "kind": kind, "per_step": len(row["increment"]) // n, "increment_us": inc,
+            "increment_us_each": statistics.median(row["increment"]),
+            "duration_us_each": statistics.median(row["duration"]), "overlap_us_each": statistics.median(row["overlap"]),
+            "mb_per_step": nbytes / 1e6, "floor_us": nbytes / (ceil["copy_gbs"] * 1e3),
+            "gbs_over_increment": nbytes / inc / 1e3 if inc else None,
+        })  # fmt: skip
+    table.sort(key=lambda r: -r["increment_us"])
+    return dict(replay_ms_unprofiled=replay_ms, span_us_profiled=statistics.median(spans), kernels_per_step=per_replay,
+                replays=n, kinds=table, one_replay=one_replay)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
