@@ -124,7 +124,7 @@ def timeline(model, replays: int, ceil: dict) -> dict:
         graph.replay()
         torch.cuda.synchronize()
     prof.export_chrome_trace(trace)
-    per_replay = len(replay_kernels(trace, 1)[0])
+    per_replay = len(replay_kernels(trace, 1))  # one kernel per "replay": the kernel count
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(replays):
             graph.replay()

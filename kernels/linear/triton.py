@@ -203,21 +203,44 @@ def _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, NORM
 
 
 @triton.jit
-def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm,
-                 rstd, write):  # fmt: skip
-    """The [R, BLOCK_K] tile of normed = rms_norm(x + residual) * (1 + w) in x's dtype (norm.naive's roundings);
-    where `write`, also stores it and the new residual x + residual into normed / hidden ([M, K], contiguous)."""
+def _norm_inputs(x_ptr, res_ptr, nw_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm):
+    """The [R, BLOCK_K] tile of h = x + residual (rounded to x's dtype) and the norm weight's [BLOCK_K] fp32."""
     m = row_mask[:, None] & (offs_k < K)[None, :]
     h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
     r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=m, other=0.0)
     h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-    w = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    return h, tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normed(h, w, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, rstd, write):
+    """normed = rms_norm(h) * (1 + w) in h's dtype (norm.naive's roundings) from _norm_inputs' tiles; where `write`,
+    also stores it and the new residual h into normed / hidden ([M, K], contiguous)."""
     normed = (h.to(tl.float32) * rstd[:, None] * (1.0 + w[None, :])).to(h.dtype)
     if write:
+        m = row_mask[:, None] & (offs_k < K)[None, :]
         out_offs = rows[:, None] * K + offs_k[None, :]
         tl.store(normed_ptr + out_offs, normed, mask=m)
         tl.store(hidden_ptr + out_offs, h, mask=m)
     return normed
+
+
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm,
+                 rstd, write):  # fmt: skip
+    """The [R, BLOCK_K] tile of normed = rms_norm(x + residual) * (1 + w) (_norm_inputs, then _normed)."""
+    h, w = _norm_inputs(x_ptr, res_ptr, nw_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm)
+    return _normed(h, w, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, rstd, write)
+
+
+@triton.jit
+def _first_normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, stride_xm,
+                       stride_rm, eps, write, NORM_BLOCK: tl.constexpr):  # fmt: skip
+    """-> (the first step's normed tile, rstd [R]). Its inputs load before the row statistics' loads, so the two
+    L2 round trips after the PDL wait overlap instead of following each other."""
+    h, w = _norm_inputs(x_ptr, res_ptr, nw_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm)
+    rstd = _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
+    return _normed(h, w, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, rstd, write), rstd
 
 
 @triton.jit
@@ -268,11 +291,13 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     cols = k_start + c  # k_end is a multiple of BLOCK_K or K, so only K masks
     w = _w_tile(w_ptr, w_rows, cols, K, EVEN_K)
     wait_for_producers(PDL)
-    rstd = 0.0
     if NORM:
-        rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
-    x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
-                rstd, write_normed, EVEN_K, NORM)  # fmt: skip
+        x, rstd = _first_normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K,
+                                     stride_xm, stride_rm, eps, write_normed, NORM_BLOCK)  # fmt: skip
+    else:
+        rstd = 0.0
+        x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
+                    rstd, write_normed, EVEN_K, NORM)  # fmt: skip
     acc = _scaled_step(w, x, s_ptrs, k_start, K, BLOCK_N, BLOCK_K, SUB_K)  # [BLOCK_N, BLOCK_K / SUB_K]
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = k + c
@@ -336,9 +361,8 @@ def _linear_kernel(
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
         wait_for_producers(PDL)
         if NORM:
-            rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
-            x = _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, offs_k, K,
-                             stride_xm, stride_rm, rstd, write_normed)  # fmt: skip
+            x, rstd = _first_normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, offs_k, K,
+                                         stride_xm, stride_rm, eps, write_normed, NORM_BLOCK)  # fmt: skip
         elif EVEN_K:
             x = tl.load(x_ptrs)
         else:
