@@ -773,6 +773,13 @@ def _moe_down_gemv_kernel(
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
+    # What the epilogue reads from the earlier kernels loads now, with the ids (one L2 round trip): issued after
+    # the expert loop, these loads were two more round trips at the kernel's end (the routing weights and the gate
+    # logit after the shared expert's reduction; sm_90 SASS).
+    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
+    gate_logit = tl.load(proj_ptr + (E + 2 * IS) * stride_pe)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
     if EXPERTS_FP8:
         kb_i = tl.cdiv(I, 128)
@@ -784,14 +791,11 @@ def _moe_down_gemv_kernel(
             w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
-    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
-    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
     gate = gate.to(tl.float32)
     a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
     acc_shared = tl.sum(ws * a_shared[None, :], 1)
-    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
-    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
+    scale = tl.sigmoid(gate_logit.to(tl.float32))
     out = routed + scale * acc_shared
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
