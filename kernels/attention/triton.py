@@ -56,28 +56,46 @@ def _cos_sin(angle):
 
 
 @triton.jit
-def _norm_rope(rows, w_ptr, pos, inv_freq_ptr, eps, rows_ok, D: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_D: tl.constexpr):  # fmt: skip
-    """Head rows at pointers rows [R] -> [R, BLOCK_D] fp32: zero-centred RMSNorm (rounded to the input dtype, as
-    the reference), then rotate-half RoPE at positions pos [R] on dims [0, 2*HALF):
-    out[d] = y[d] cos - y[d+HALF] sin (d < HALF), y[d] cos + y[d-HALF] sin (HALF <= d < 2*HALF)."""
+def _norm_rope_inputs(rows, w_ptr, inv_freq_ptr, rows_ok, D: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_D: tl.constexpr):  # fmt: skip
+    """Everything _norm_rope_apply reads, loaded at once (no load waits on another's math): head rows at pointers
+    rows [R] -> (x [R, BLOCK_D], its rotation partners xp, the norm weight w and its partners wp [1, BLOCK_D] fp32,
+    inv_freq [BLOCK_D] over the rotated dims)."""
     d = tl.arange(0, BLOCK_D)
     rotated = d < 2 * HALF
     partner = tl.where(d < HALF, d + HALF, d - HALF)
     x = tl.load(rows[:, None] + d[None, :], mask=rows_ok[:, None] & (d < D)[None, :], other=0.0)
+    xp = tl.load(rows[:, None] + partner[None, :], mask=rows_ok[:, None] & rotated[None, :], other=0.0)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)[None, :]
+    inv_freq = tl.load(inv_freq_ptr + d % HALF, mask=rotated, other=0.0)
+    return x, xp, w, wp, inv_freq
+
+
+@triton.jit
+def _norm_rope_apply(x, xp, w, wp, inv_freq, pos, eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_norm_rope_inputs' tiles -> [R, BLOCK_D] fp32: zero-centred RMSNorm (rounded to the input dtype, as the
+    reference), then rotate-half RoPE at positions pos [R] on dims [0, 2*HALF):
+    out[d] = y[d] cos - y[d+HALF] sin (d < HALF), y[d] cos + y[d-HALF] sin (HALF <= d < 2*HALF)."""
+    d = tl.arange(0, BLOCK_D)
+    rotated = d < 2 * HALF
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]  # [R, 1]
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
     y = (xf * rstd * (1.0 + w)).to(x.dtype).to(tl.float32)
-    xp = tl.load(rows[:, None] + partner[None, :], mask=rows_ok[:, None] & rotated[None, :], other=0.0)
-    wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)[None, :]
     yp = (xp.to(tl.float32) * rstd * (1.0 + wp)).to(x.dtype).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + d % HALF, mask=rotated, other=0.0)
     cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * inv_freq[None, :])
     cos = cos.to(x.dtype).to(tl.float32)  # the reference rounds cos/sin to the model dtype
     sin = sin.to(x.dtype).to(tl.float32)
     rot = tl.where((d < HALF)[None, :], -yp, yp)
     return tl.where(rotated[None, :], y * cos + rot * sin, y)
+
+
+@triton.jit
+def _norm_rope(rows, w_ptr, pos, inv_freq_ptr, eps, rows_ok, D: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """Head rows at pointers rows [R] -> normed and roped [R, BLOCK_D] fp32 (_norm_rope_inputs, _norm_rope_apply)."""
+    x, xp, w, wp, inv_freq = _norm_rope_inputs(rows, w_ptr, inv_freq_ptr, rows_ok, D, HALF, BLOCK_D)
+    return _norm_rope_apply(x, xp, w, wp, inv_freq, pos, eps, D, HALF, BLOCK_D)
 
 
 @fast_launch
@@ -115,6 +133,17 @@ def _prefill_norm_rope_kernel(
         tl.store(v_slots, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _kv_tile(k_row, v_row, n0, last, d, d_ok, stride_ks, stride_vs, BLOCK_N: tl.constexpr):
+    """Cached keys and values n0 .. n0 + BLOCK_N - 1 of one kv head, zero at and past `last` -> [BLOCK_N, BLOCK_D]
+    each (a tile wholly past `last` reads nothing)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    ok = (n < last)[:, None] & d_ok[None, :]
+    k = tl.load(k_row + n[:, None] * stride_ks + d[None, :], mask=ok, other=0.0)
+    v = tl.load(v_row + n[:, None] * stride_vs + d[None, :], mask=ok, other=0.0)
+    return k, v
+
+
 @fast_launch
 @triton.jit
 def _decode_kernel(
@@ -131,28 +160,41 @@ def _decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Every load whose address does not depend on the position issues first, with the position's: the new
+    # token's q, k, v and the gate (every split loads them, empty ones too: a few KB), then, once the position is
+    # in, this split's first K/V tile; the q/k norm and RoPE math runs while that tile comes from HBM. (The gate
+    # and q/k loads waited on the position before, the tile on the norm math, the merging split's gate on its
+    # arrival: four dependent round trips where there are now two.)
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    g = tl.arange(0, BLOCK_G)
+    q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
+    g_ok = g < G
+    q_rows = q_ptr + b * stride_qb + q_heads * stride_qh
+    qx, qxp, qw, qwp, freq = _norm_rope_inputs(q_rows, qw_ptr, inv_freq_ptr, g_ok, D, HALF, BLOCK_D)
+    one = tl.arange(0, 1)
+    k_row = k_ptr + b * stride_kb + kv_head * stride_kh + one
+    kx, kxp, kw, kwp, _ = _norm_rope_inputs(k_row, kw_ptr, inv_freq_ptr, one == 0, D, HALF, BLOCK_D)
+    v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+    v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+    rg = tl.arange(0, REDUCE_G)
+    out_ok = (rg < G)[:, None] & d_ok[None, :]
+    gate = tl.load(gate_ptr + b * stride_gb + (kv_head * G + rg)[:, None] * stride_gh + d[None, :], mask=out_ok,
+                   other=0.0)  # fmt: skip
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
+    last = tl.minimum(end, pos)  # keys start .. last - 1 come from the cache (none in an empty split)
+    k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
+    v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
+    k_next, v_next = _kv_tile(k_cache_row, v_cache_row, start, last, d, d_ok, stride_kcs, stride_vcs, BLOCK_N)
+    q = _norm_rope_apply(qx, qxp, qw, qwp, freq, pos + 0 * g, eps, D, HALF, BLOCK_D)
+    q = q.to(q_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
+    k_new = tl.sum(_norm_rope_apply(kx, kxp, kw, kwp, freq, pos + one, eps, D, HALF, BLOCK_D), axis=0)
+    k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
     if start <= pos:  # splits past the row's context compute nothing (the merge skips them) but still arrive
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
-        g = tl.arange(0, BLOCK_G)
-        q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
-        g_ok = g < G
-        q_rows = q_ptr + b * stride_qb + q_heads * stride_qh
-        q = _norm_rope(q_rows, qw_ptr, pos + 0 * g, inv_freq_ptr, eps, g_ok, D, HALF, BLOCK_D)
-        q = q.to(q_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
-        one = tl.arange(0, 1)
-        k_row = k_ptr + b * stride_kb + kv_head * stride_kh + one
-        k_new = tl.sum(_norm_rope(k_row, kw_ptr, pos + one, inv_freq_ptr, eps, one == 0, D, HALF, BLOCK_D), axis=0)
-        k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
-        v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
-        v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
         if end == pos + 1:  # this split owns key `pos`: write the new K/V into the cache
             tl.store(k_cache_row + pos * stride_kcs + d, k_new, mask=d_ok)
             tl.store(v_cache_row + pos * stride_vcs + d, v_new, mask=d_ok)
@@ -165,12 +207,11 @@ def _decode_kernel(
         m = tl.where(owns_new, s_new, float("-inf"))
         l = tl.where(owns_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = l[:, None] * v_new.to(tl.float32)[None, :]  # [BLOCK_G, BLOCK_D]
-        last = tl.minimum(end, pos)  # keys start .. last - 1 from the cache
         for n0 in range(start, last, BLOCK_N):
+            k, v = k_next, v_next  # [BLOCK_N, BLOCK_D]; the next tile loads while this one is used
+            k_next, v_next = _kv_tile(k_cache_row, v_cache_row, n0 + BLOCK_N, last, d, d_ok, stride_kcs, stride_vcs,
+                                      BLOCK_N)  # fmt: skip
             n = n0 + tl.arange(0, BLOCK_N)
-            old = (n < last)[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_row + n[:, None] * stride_kcs + d[None, :], mask=old, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_cache_row + n[:, None] * stride_vcs + d[None, :], mask=old, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
             s = tl.where((n < last)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -191,35 +232,31 @@ def _decode_kernel(
     tl.debug_barrier()
     if earlier == NUM_SPLITS - 1:
         n_active = tl.cdiv(n_tiles, tiles_per_split)  # the splits that wrote a partial
-        g = tl.arange(0, REDUCE_G)
-        q_heads = kv_head * G + g
-        g_ok = g < G
+        heads = kv_head * G + rg  # the q heads of this kv head, as the merge's rows
         s = tl.arange(0, REDUCE_S)
-        part = (b * HQ + q_heads) * NUM_SPLITS  # [REDUCE_G]
+        part = (b * HQ + heads) * NUM_SPLITS  # [REDUCE_G]
+        # One pass, rescaled as it goes (a flash-decoding merge): each step's log-sum-exps and partial outputs
+        # load together, so a merge of up to REDUCE_S splits is one L2 round trip (the max first, then the
+        # outputs, were two).
         lse_max = tl.full([REDUCE_G], float("-inf"), tl.float32)
-        for s0 in range(0, n_active, REDUCE_S):
-            ok = g_ok[:, None] & (s0 + s < n_active)[None, :]
-            lse = tl.load(
-                lse_part_ptr + part[:, None] + s0 + s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
-            )
-            lse_max = tl.maximum(lse_max, tl.max(lse, axis=1))
-        lse_max = tl.where(g_ok, lse_max, 0.0)
         acc = tl.zeros([REDUCE_G, BLOCK_D], tl.float32)
         weight_sum = tl.zeros([REDUCE_G], tl.float32)
         for s0 in range(0, n_active, REDUCE_S):
-            ok = g_ok[:, None] & (s0 + s < n_active)[None, :]  # [REDUCE_G, REDUCE_S]
+            ok = (rg < G)[:, None] & (s0 + s < n_active)[None, :]  # [REDUCE_G, REDUCE_S]
             lse = tl.load(
                 lse_part_ptr + part[:, None] + s0 + s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
             )
-            w = tl.exp2(lse - lse_max[:, None])
             rows = (part[:, None] + s0 + s[None, :])[:, :, None] * D + d[None, None, :]  # [REDUCE_G, REDUCE_S, BLOCK_D]
             o = tl.load(o_part_ptr + rows, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(w[:, :, None] * o, axis=1)
-            weight_sum += tl.sum(w, axis=1)
-        out_ok = g_ok[:, None] & d_ok[None, :]
-        gate = tl.load(gate_ptr + b * stride_gb + q_heads[:, None] * stride_gh + d[None, :], mask=out_ok, other=0.0)
-        out = acc / tl.where(g_ok, weight_sum, 1.0)[:, None] * tl.sigmoid(gate.to(tl.float32))
-        out_rows = out_ptr + (b * HQ + q_heads[:, None]) * D + d[None, :]  # out [B, 1, HQ * D]
+            new_max = tl.maximum(lse_max, tl.max(lse, axis=1))
+            new_max = tl.where(new_max > float("-inf"), new_max, 0.0)  # heads past G: no partials, no NaN
+            alpha = tl.exp2(lse_max - new_max)  # 0 at the first step
+            w = tl.exp2(lse - new_max[:, None])
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+            weight_sum = weight_sum * alpha + tl.sum(w, axis=1)
+            lse_max = new_max
+        out = acc / tl.where(rg < G, weight_sum, 1.0)[:, None] * tl.sigmoid(gate.to(tl.float32))
+        out_rows = out_ptr + (b * HQ + heads[:, None]) * D + d[None, :]  # out [B, 1, HQ * D]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_ok)
         tl.store(arrivals, 0)
 
