@@ -1,0 +1,141 @@
+"""The latency structure of the 35B-A3B decode kernels as the H200 would run them, from sm_90 SASS built on the CPU.
+
+A batch-1 decode kernel is short: after its PDL wait, what it costs is mostly the chain of dependent L2/HBM round
+trips and block barriers before its loads are in flight. This script compiles the decode kernels at the 35B shapes
+and their tuned H200 launch configs for sm_90 (experiments/aot_sm90.py: Triton's own ptxas and flags, no GPU) and
+reports, per kernel: registers, spills, shared memory, the global loads issued before the PDL wait (ACQBULK), those
+issued after it before any block barrier (they go out together), the block barriers (BAR.SYNC) the kernel passes after the wait before its last global load is issued (a load behind a
+barrier waits for whatever the barrier's threads waited on), and the sequence of global loads (LDG), stores (STG),
+atomics and barriers after the wait, runs of one opcode counted (LDGx8); the code of loops that do not run at
+these shapes counts too (the sequences show where). It
+measures no time: what it shows is the order in which a kernel issues its memory traffic, which timing on the GPU
+(experiments/tune_decode_loop.py, profile_decode_loop.py) must confirm.
+
+    PYTHONPATH=. python experiments/aot_decode_sass.py [--out results/aot_decode_sass.json]
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aot_sm90  # noqa: E402  (sets up sys.path and the compile helpers)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kernels.attention import triton as attention  # noqa: E402
+from kernels.linear import triton as linear  # noqa: E402
+from kernels.moe import triton as moe  # noqa: E402
+from kernels.tuned import gpu_config_path  # noqa: E402
+
+OPS = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?((?:LDG|STG|ATOMG|RED\.|BAR|ACQBULK)[A-Z0-9_.]*)")
+
+
+def signature(kernel, constexprs: dict, types: dict, default: str = "*bf16") -> dict:
+    """Every non-constexpr argument -> (type, divisible by 16): pointers `types.get(name, default)`, ints i32
+    (divisible unless a stride that the model passes as 1 or an odd size), eps and scales fp32."""
+    args = {}
+    for name in aot_sm90.fn_of(kernel).arg_names:
+        if name in constexprs:
+            continue
+        if name.endswith("_ptr"):
+            args[name] = (types.get(name, default), True)
+        elif name in ("eps", "scale_log2"):
+            args[name] = ("fp32", False)
+        else:
+            args[name] = ("i32", name not in ("M", "N", "SPLIT", "stride_pe", "E"))
+    return args
+
+
+def h200_entry(module, key: str) -> dict:
+    """The H200 table's M = 1 entry (the tables load only on their GPU: read it here)."""
+    path = gpu_config_path(module.CONFIG_DIR, "NVIDIA H200")
+    return json.loads(path.read_text())[key]["1"]
+
+
+def kernels_35b() -> dict:
+    """name -> (kernel, constexprs, pointer types, num_warps, num_stages) at the 35B shapes, H200 configs."""
+    gemv = h200_entry(linear, linear.shape_key(1281, 2048, torch.bfloat16))
+    _, _, _, meta = linear.make_plan(1, 1281, 2048, gemv)
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+    table = h200_entry(moe, moe.shape_key(256, 2048, 512, torch.bfloat16))
+    up, down = table["up"], table["down"]
+    att = dict(attention._decode_config(8, 256, 4, torch.bfloat16))
+    att_warps, att_stages = att.pop("num_warps"), att.pop("num_stages")
+    return {
+        "moe_in (add + RMSNorm + GEMV, N 1281)": (
+            linear._linear_kernel, {**meta, "NORM": True, "PDL": True}, {"xs_ptr": "*fp32"}, warps, stages,
+        ),
+        "moe up (routing + expert gate/up GEMV)": (
+            moe._moe_up_gemv_kernel,
+            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128, EVEN_K=True,
+                 EXPERTS_FP8=False, COPIES=up["num_warps"], PDL=True),
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"],
+        ),
+        "moe down (experts + shared + combine GEMV)": (
+            moe._moe_down_gemv_kernel,
+            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
+                 EXPERTS_FP8=False, SHARED_FP8=False, PDL=True),
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"],
+        ),
+        "attention decode (norm + RoPE, split-K, merge, gate)": (
+            attention._decode_kernel,
+            dict(HQ=16, HKV=2, G=8, D=256, HALF=32, NUM_SPLITS=4, PDL=True, **att),
+            {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "arrivals_ptr": "*i32", "pos_ptr": "*i64",
+             "inv_freq_ptr": "*fp32"},
+            att_warps, att_stages,
+        ),
+    }  # fmt: skip
+
+
+def compressed(ops: list[str]) -> str:
+    runs: list[list] = []
+    for op in ops:
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs)
+
+
+def report(kernel, constexprs, types, num_warps, num_stages) -> dict:
+    names = aot_sm90.fn_of(kernel).arg_names  # constexprs the kernel does not take are dropped (older versions)
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
+    fn, sig, const, attrs = aot_sm90.spec(kernel, signature(kernel, constexprs, types), constexprs)
+    c = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=aot_sm90.TARGET,
+                       options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    regs = aot_sm90.ptxas_report(c.asm["ptx"])
+    ops = OPS.findall(aot_sm90.sass_of(c.asm["cubin"]))
+    after = ops[ops.index("ACQBULK") + 1 :] if "ACQBULK" in ops else ops
+    last_load = max((i for i, o in enumerate(after) if o.startswith("LDG")), default=-1)
+    return {
+        "num_warps": num_warps, "num_stages": num_stages, "registers": regs["registers"],
+        "spill_bytes": regs["spill_store_bytes"] + regs["spill_load_bytes"], "shared_bytes": c.metadata.shared,
+        "loads_before_wait": sum(o.startswith("LDG") for o in ops[: len(ops) - len(after)]),
+        "loads_with_the_wait": sum(o.startswith("LDG") for o in after[: next(
+            (i for i, o in enumerate(after) if o.startswith("BAR")), len(after))]),
+        "barriers_before_last_load": sum(o.startswith("BAR") for o in after[:last_load]),
+        "barriers_after_wait": sum(o.startswith("BAR") for o in after),
+        "sequence_after_wait": compressed(after),
+    }  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/aot_decode_sass.json")
+    args = parser.parse_args()
+    rows = {name: report(*spec) for name, spec in kernels_35b().items()}
+    env = {"triton": triton.__version__, "target": "sm_90 (ptxas from the Triton wheel)"}
+    commit = aot_sm90.subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    Path(args.out).write_text(json.dumps({"commit": commit.strip(), **env, "kernels": rows}, indent=1) + "\n")
+    print(f"{'kernel':<54} {'regs':>4} {'spill':>5} {'loads: before wait':>18} {'with it':>7} "
+          f"{'barriers before last load':>25}")  # fmt: skip
+    for name, r in rows.items():
+        print(f"{name:<54} {r['registers']:>4} {r['spill_bytes']:>5} {r['loads_before_wait']:>18} "
+              f"{r['loads_with_the_wait']:>7} {r['barriers_before_last_load']:>25}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
