@@ -25,10 +25,11 @@ all with Programmatic Dependent Launch on sm_90 (an idle launch overlaps the pre
 4. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches, for rows whose kept set may exceed CAP: each
    narrows the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut
    first, then top-p's within the top-k set; `_race_kernel` then draws among the kept x of every chunk.
-5. The finish (`_finish_from_list`, in the row's last program): sorts the <= CAP keys of the list in
-   registers, takes the k-th key (top-k), then the first sorted position whose mass before it reaches top_p
-   times the top-k set's mass (top-p), keeps every token at or above the cuts (ties kept) and with p >= min_p,
-   and draws by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i), lowest index on ties.
+5. The finish (`_finish_from_list`, in the row's last program): sorts the keys of the list's filled prefix
+   (the first CAP / 4, CAP / 2 or CAP slots, the fewest that hold it) in registers, takes the k-th key (top-k),
+   then the first sorted position whose mass before it reaches top_p times the top-k set's mass (top-p), keeps
+   every token at or above the cuts (ties kept) and with p >= min_p, and draws by an exponential race: argmax
+   over kept i of log2(p_i) - log2(-ln U_i), lowest index on ties.
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
@@ -351,20 +352,16 @@ def _sort_descending(keys, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr
 
 
 @triton.jit
-def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
-                      mp_on, seed, step, CAP: tl.constexpr, LOG_CAP: tl.constexpr):  # fmt: skip
-    """The exact cuts and the draw for rows `fin`, whose list holds n_buf <= CAP tokens including every token at or
-    above the cut. Sorts the keys in registers (descending): top-k's cut is the k-th key; top-p's is the key at
-    the last sorted position whose mass before it is < top_p * z (z: the top-k set's mass, else the row's);
-    every token at or above both cuts with p >= min_p races; the largest race key wins, lowest token id on ties.
-    -> int64 tokens [R]."""
-    slot = tl.arange(0, CAP)
+def _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
+                        mp_on, seed, step, CAP: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):  # fmt: skip
+    """_finish_from_list on the first N slots of the rows' lists of CAP slots (N >= every fin row's n_buf)."""
+    slot = tl.arange(0, N)
     valid = fin[:, None] & (slot[None, :] < n_buf[:, None])
     at = rows[:, None].to(tl.int64) * CAP + slot[None, :]
     vals = tl.load(buf_val_ptr + at, mask=valid, other=float("-inf"), volatile=True) + 0.0
     idx = tl.load(buf_idx_ptr + at, mask=valid, other=0, volatile=True)
     keys = tl.where(valid, _ordered_key(vals), KEY_MIN)
-    srt = _sort_descending(keys, rows.shape[0], CAP, LOG_CAP)  # the list's n_buf keys first
+    srt = _sort_descending(keys, rows.shape[0], N, LOG_N)  # the list's n_buf keys first
     listed = valid & (srt > KEY_MIN)
     p_srt = tl.where(listed, tl.exp2((_key_value(srt) - m[:, None]) * c[:, None]), 0.0)
     kth = (tl.minimum(tl.maximum(top_k, 1), n_buf) - 1).to(tl.int32)
@@ -381,6 +378,35 @@ def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, t
     race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), float("-inf"))
     best = tl.max(race, 1)
     return tl.min(tl.where(keep & (race == best[:, None]), idx, 2**31 - 1), 1).to(tl.int64)
+
+
+@triton.jit
+def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
+                      mp_on, seed, step, CAP: tl.constexpr, LOG_CAP: tl.constexpr):  # fmt: skip
+    """The exact cuts and the draw for rows `fin`, whose list holds n_buf <= CAP tokens including every token at or
+    above the cut. Sorts the keys of the lists' filled prefix in registers (descending): the first CAP / 4, CAP / 2
+    or CAP slots, the fewest that hold every fin row's n_buf (the speculative gather aims at max(2k, CAP / 4)
+    tokens: most lists fill a quarter or a half). top-k's cut is the k-th key; top-p's is the key at the last
+    sorted position whose mass before it is < top_p * z (z: the top-k set's mass, else the row's); every token at
+    or above both cuts with p >= min_p races; the largest race key wins, lowest token id on ties.
+    The slots past the prefix are empty (KEY_MIN, never kept), so no comparison changes with it; only top-p's fp32
+    sums (z, the cumulative mass) may round otherwise on the GPU, whose order of additions follows the tensor's
+    layout. -> int64 tokens [R]."""
+    n_most = tl.max(tl.where(fin, n_buf, 0))  # the fullest list among the rows that finish here
+    if CAP < 32:  # a quarter would hold < 8 slots: nothing to save, and numpy (the interpreter's tl.sum) adds < 8
+        # values in another order than 8 or more, so there the prefix would change top-p's sums
+        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
+                                    k_on, p_on, mp_on, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
+    elif n_most <= CAP // 4:
+        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
+                                    k_on, p_on, mp_on, seed, step, CAP, CAP // 4, LOG_CAP - 2)  # fmt: skip
+    elif n_most <= CAP // 2:
+        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
+                                    k_on, p_on, mp_on, seed, step, CAP, CAP // 2, LOG_CAP - 1)  # fmt: skip
+    else:
+        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
+                                    k_on, p_on, mp_on, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
+    return token
 
 
 # the state of a row (int64 [B, N_STATE] and fp32 [B, N_STATE]), written by the row's last program to arrive in

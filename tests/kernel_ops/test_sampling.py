@@ -796,6 +796,42 @@ def test_benchmark_shapes_never_need_the_radix_rounds():
     assert paths.get(fused.PATH_LIST.value, 0) > 0 and paths.get(fused.PATH_REGATHER.value, 0) > 0, paths
 
 
+def tiered_logits(n_up, V, seed):
+    """A row whose n_up highest logits (rounded: ties; one unique max) lie ~40 above the others: any threshold
+    between the two tiers, as launch 2's speculative one is, lists exactly those n_up tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = -40 + 0.1 * torch.randn(V, generator=g)
+    up = torch.randperm(V, generator=g)[:n_up]
+    x[up] = torch.randn(n_up, generator=g).round(decimals=1).clamp(-3, 3)
+    x[up[0]] = 4.0
+    return x
+
+
+def test_finish_sorts_the_filled_prefix():
+    # the finish sorts the fewest of the first CAP / 4, CAP / 2, CAP slots that hold every list of the program's
+    # rows: lists of 40, 100 and 200 of 256 slots (one prefix each; one list per program) give tokens in the
+    # reference's kept set (top-k 1 and tiny top-p: the argmax), and the same tokens with the rows interleaved, so
+    # that every program's fullest list takes the sort of all CAP slots
+    V, cap, draws = 2048, 256, 32
+    modes = [(1, 1.0, 0.0), (12, 1.0, 0.0), (30, 1e-6, 0.0), (30, 0.8, 0.05)]
+    cases = [(tiered_logits(n_up, V, seed=n_up), *mode) for n_up in (40, 100, 200) for mode in modes]
+    logits = torch.stack([case[0] for case in cases]).repeat_interleave(draws, 0)  # [case, draw]
+    top_k, top_p, min_p = (torch.tensor([case[i] for case in cases]).repeat_interleave(draws) for i in (1, 2, 3))
+    B = len(logits)
+    args = (logits, torch.full((B,), 2.0), top_k, top_p.float(), min_p.float(), torch.full((B,), 3),
+            torch.arange(draws).repeat(len(cases)))  # fmt: skip
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    out = fused.launch(*args, cap=cap, block=256, split=2, rows=draws, state=state)
+    assert paths_of(state) == {fused.PATH_LIST.value: B}
+    probs = torch.softmax(logits.double() / 2.0, -1)
+    keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
+    assert keep[torch.arange(B), out].all()
+    argmax = (top_k == 1) | (top_p < 1e-3)
+    assert torch.equal(out[argmax], logits[argmax].argmax(-1))
+    mixed = torch.arange(B).view(len(cases), draws).T.reshape(-1)  # [draw, case]: 200-token lists in every program
+    assert torch.equal(fused.launch(*(a[mixed] for a in args), cap=cap, block=256, split=2, rows=draws), out[mixed])
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
 def test_sort_network_is_tl_sort(dtype):
     # the finish and launch 2's thresholds sort with tl.sort on the GPU and with a reshape / sum network in the CPU
