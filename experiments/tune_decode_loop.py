@@ -22,7 +22,7 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
 (ms per step). The step reads its 5.9 GB of active weights from HBM every replay (50 MB of L2).
 
     PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
-        [--weights fp8 --out results/tune_decode_loop_fp8.json]
+        [--weights fp8 --out results/tune_decode_loop_fp8.json] [--skip-descent: parts only] [--step-only]
 """
 
 import argparse
@@ -202,6 +202,7 @@ def main():
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--write-tables", action="store_true")
     parser.add_argument("--skip-descent", action="store_true")
+    parser.add_argument("--step-only", action="store_true", help="time the whole step only (no parts, no descent)")
     fp8_help = "fp8: the FP8 model's step; the descent then covers its FP8 projections and experts"
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help=fp8_help)
     args = parser.parse_args()
@@ -220,6 +221,11 @@ def main():
 
     full_ops = model.ops
     parts = {}
+    if args.step_only:
+        out["step_ms"] = [step_ms(model, args.replays) for _ in range(3)]
+        save()
+        print(f"step {' '.join(f'{ms:.4f}' for ms in out['step_ms'])} ms (floor {floor_ms:.3f})")
+        return
     for part in ("none", "moe", "gdn", "attention", "dense", "sampling"):
         model.ops = without(model, full_ops, part)
         parts[part] = step_ms(model, args.replays)
