@@ -237,7 +237,8 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask,
 def _first_normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, stride_xm,
                        stride_rm, eps, write, NORM_BLOCK: tl.constexpr):  # fmt: skip
     """-> (the first step's normed tile, rstd [R]). Its inputs load before the row statistics' loads, so the two
-    L2 round trips after the PDL wait overlap instead of following each other."""
+    L2 round trips after the PDL wait overlap instead of following each other (bf16 decode step 2.156 -> 2.150 ms
+    alone, results/probe_decode_latency.json)."""
     h, w = _norm_inputs(x_ptr, res_ptr, nw_ptr, rows, row_mask, offs_k, K, stride_xm, stride_rm)
     rstd = _row_rstd(x_ptr, res_ptr, rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
     return _normed(h, w, normed_ptr, hidden_ptr, rows, row_mask, offs_k, K, rstd, write), rstd
@@ -291,13 +292,12 @@ def _scaled_gemv(x_ptr, w_ptr, s_ptrs, res_ptr, nw_ptr, normed_ptr, hidden_ptr, 
     cols = k_start + c  # k_end is a multiple of BLOCK_K or K, so only K masks
     w = _w_tile(w_ptr, w_rows, cols, K, EVEN_K)
     wait_for_producers(PDL)
-    if NORM:
-        x, rstd = _first_normed_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K,
-                                     stride_xm, stride_rm, eps, write_normed, NORM_BLOCK)  # fmt: skip
-    else:
-        rstd = 0.0
-        x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
-                    rstd, write_normed, EVEN_K, NORM)  # fmt: skip
+    rstd = 0.0
+    if NORM:  # not _first_normed_tile: with the fp8 steps' wider tiles it made the FP8 step 1.720 -> 1.742 ms
+        # (tune_decode_loop --step-only, results/probe_decode_latency.json), while the bf16 GEMV gains from it
+        rstd = _row_rstd(x_ptr, res_ptr, x_rows, row_mask, K, stride_xm, stride_rm, eps, NORM_BLOCK)
+    x = _x_tile(x_ptr, res_ptr, nw_ptr, normed_ptr, hidden_ptr, x_rows, row_mask, cols, K, stride_xm, stride_rm,
+                rstd, write_normed, EVEN_K, NORM)  # fmt: skip
     acc = _scaled_step(w, x, s_ptrs, k_start, K, BLOCK_N, BLOCK_K, SUB_K)  # [BLOCK_N, BLOCK_K / SUB_K]
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = k + c

@@ -195,33 +195,28 @@ def _key_value(key):
 
 
 @triton.jit
-def _token_ranks(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, COPIES: tl.constexpr):
-    """One token's top-k experts (descending logit, ties to the lower id) -> (rank: each expert's place in that
-    order, TOP_K for the unchosen; weight: the chosen experts' softmax probabilities renormalised over the k, 0 for
-    the others; the expert ids), each [BLOCK_E / 32, COPIES, 32] with expert e at [e // 32, :, e % 32].
-    COPIES (the program's warps) copies of the logits, one per warp: Triton's default layout puts the 32 lanes of a
-    warp on the last axis and the warps on the middle one, so each of the k maxima reduces inside a warp (its
-    elements, then shuffles). One copy spread over the warps crossed them through shared memory for every max: 15
-    block barriers between the logits and the first expert load of the M = 1 up kernel (sm_90 SASS)."""
-    offs_e = tl.arange(0, BLOCK_E // 32)[:, None, None] * 32 + tl.arange(0, 32)[None, None, :]
-    copy = tl.arange(0, COPIES)[None, :, None]
-    valid = (offs_e < E) & (copy >= 0)  # [BLOCK_E / 32, COPIES, 32]
-    logits = tl.load(logits_ptr + offs_e * stride_e + copy * 0, mask=valid, other=0.0).to(tl.float32)
-    keys = tl.where(valid, _order_key(logits), -2147483648)  # padding below every real key
+def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's top-k experts (descending logit, ties to the lower id) and their softmax probabilities
+    renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0."""
+    offs_e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0).to(tl.float32)
+    keys = tl.where(offs_e < E, _order_key(logits), -2147483648)  # padding below every real key
     # One int64 per expert, the order key above its inverted id: one max per k finds the largest logit and,
     # among equal keys, the lower id (an argmax and a second reduction for the value cost twice as long).
     packed = keys.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e)
-    floor = -2147483648 * 4294967296  # the padding key's: a taken expert drops to it
-    rank = tl.zeros([BLOCK_E // 32, COPIES, 32], tl.int32) + TOP_K
+    floor = packed * 0 + -2147483648 * 4294967296  # the padding key's: a taken expert drops to it
+    offs_k = tl.arange(0, BLOCK_TOP)
+    ids = tl.zeros([BLOCK_TOP], tl.int32)
+    top = tl.full([BLOCK_TOP], float("-inf"), tl.float32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(tl.max(packed, 2), 0)[None, :, None]  # [1, COPIES, 1]
-        taken = packed == best  # one expert per copy: the ids make the packed keys unique
-        rank = tl.where(taken, k, rank)
-        packed = tl.where(taken, floor, packed)
-    top = tl.where(rank < TOP_K, _key_value(keys), float("-inf"))
+        best = tl.max(packed, 0)
+        idx = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32)
+        ids = tl.where(offs_k == k, idx, ids)
+        top = tl.where(offs_k == k, _key_value((best >> 32).to(tl.int32)), top)
+        packed = tl.where(offs_e == idx, floor, packed)
     # softmax over all E, renormalised over the top k: the full denominator cancels, exp(l - l_max) stays
-    probs = tl.exp(top - tl.max(tl.max(top, 2), 0)[None, :, None])  # unchosen: exp(-inf) = 0
-    return rank, probs / tl.sum(tl.sum(probs, 2), 0)[None, :, None], offs_e
+    probs = tl.exp(top - tl.max(top, 0))  # lanes >= TOP_K: exp(-inf) = 0
+    return ids, probs / tl.sum(probs, 0)
 
 
 @triton.jit
@@ -257,13 +252,13 @@ def _expert_ranks(
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_lm, stride_le, E,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, COPIES: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    rank, weight, experts = _token_ranks(logits_ptr + row * stride_lm, stride_le, E, TOP_K, BLOCK_E, COPIES)
-    first = (rank < TOP_K) & (tl.arange(0, COPIES)[None, :, None] == 0)  # each chosen expert once, at its rank
-    tl.store(weights_ptr + row * TOP_K + rank, weight, mask=first)
-    tl.store(ids_ptr + row * TOP_K + rank, experts.to(tl.int64) + rank * 0, mask=first)
+    ids, weights = _token_topk(logits_ptr + row * stride_lm, stride_le, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_TOP)
+    tl.store(weights_ptr + row * TOP_K + offs_k, weights, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + offs_k, ids.to(tl.int64), mask=offs_k < TOP_K)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +270,7 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     if M:
         _route_kernel[(M,)](
             router_logits, weights, ids, *router_logits.stride(), E,
-            TOP_K=top_k, BLOCK_E=max(32, triton.next_power_of_2(E)), COPIES=4, num_warps=4,
+            TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
         )  # fmt: skip
     return weights, ids
 
@@ -700,9 +695,9 @@ def _down_gemv_fp8(
 @triton.jit
 def _moe_up_gemv_kernel(
     x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
@@ -712,12 +707,12 @@ def _moe_up_gemv_kernel(
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
     k = tl.program_id(1)
-    rank, weight, experts = _token_ranks(proj_ptr, stride_pe, E, TOP_K, BLOCK_E, COPIES)
-    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads, each chosen expert once at its rank
-        first = (rank < TOP_K) & (tl.arange(0, COPIES)[None, :, None] == 0)
-        tl.store(weights_ptr + rank, weight, mask=first)
-        tl.store(ids_ptr + rank, experts + rank * 0, mask=first)
-    expert = tl.max(tl.sum(tl.sum(tl.where(rank == k, experts, 0), 2), 0), 0)  # this program's: the copies agree
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
@@ -773,13 +768,6 @@ def _moe_down_gemv_kernel(
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
-    # What the epilogue reads from the earlier kernels loads now, with the ids (one L2 round trip): issued after
-    # the expert loop, these loads were two more round trips at the kernel's end (the routing weights and the gate
-    # logit after the shared expert's reduction; sm_90 SASS).
-    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
-    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
-    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
-    gate_logit = tl.load(proj_ptr + (E + 2 * IS) * stride_pe)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
     if EXPERTS_FP8:
         kb_i = tl.cdiv(I, 128)
@@ -791,11 +779,14 @@ def _moe_down_gemv_kernel(
             w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
+    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
     gate = gate.to(tl.float32)
     a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
     acc_shared = tl.sum(ws * a_shared[None, :], 1)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
-    scale = tl.sigmoid(gate_logit.to(tl.float32))
+    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
     out = routed + scale * acc_shared
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -816,9 +807,8 @@ def moe_block_gemv(
     on = pdl(x)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
         x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
-        TOP_K=top_k, BLOCK_E=max(32, triton.next_power_of_2(E)), EVEN_K=H % up["BLOCK_K"] == 0,
-        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, COPIES=up["num_warps"], PDL=on,
-        launch_pdl=on, **up,
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
