@@ -4,12 +4,14 @@ A batch-1 decode kernel is short: after its PDL wait, what it costs is mostly th
 trips and block barriers before its loads are in flight. This script compiles the decode kernels at the 35B shapes
 and their tuned H200 launch configs for sm_90 (experiments/aot_sm90.py: Triton's own ptxas and flags, no GPU) and
 reports, per kernel: registers, spills, shared memory, the global loads issued before the PDL wait (ACQBULK), those
-issued after it before any block barrier (they go out together), the block barriers (BAR.SYNC) the kernel passes after the wait before its last global load is issued (a load behind a
-barrier waits for whatever the barrier's threads waited on), and the sequence of global loads (LDG), stores (STG),
-atomics and barriers after the wait, runs of one opcode counted (LDGx8); the code of loops that do not run at
-these shapes counts too (the sequences show where). It
-measures no time: what it shows is the order in which a kernel issues its memory traffic, which timing on the GPU
-(experiments/tune_decode_loop.py, profile_decode_loop.py) must confirm.
+issued after it before any block barrier (they go out together), the block barriers (BAR.SYNC) the kernel passes
+after the wait before its last global load is issued (a load behind a barrier waits for whatever the barrier's
+threads waited on), and the sequence of global loads (LDG), stores (STG), atomics and barriers after the wait, runs
+of one opcode counted (LDGx8); the code of loops that do not run at these shapes counts too (the sequences show
+where). It measures no time: it shows the order in which a kernel issues its memory traffic, which only the step's
+timing on the GPU (experiments/tune_decode_loop.py, profile_decode_loop.py) can judge. (A top-k that cut the MoE
+up kernel's barriers before its expert loads from 15 to 1 made the step 38 us slower:
+results/probe_decode_latency.json.)
 
     PYTHONPATH=. python experiments/aot_decode_sass.py [--out results/aot_decode_sass.json]
 """
@@ -70,8 +72,8 @@ def kernels_35b() -> dict:
         ),
         "moe up (routing + expert gate/up GEMV)": (
             moe._moe_up_gemv_kernel,
-            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128, EVEN_K=True,
-                 EXPERTS_FP8=False, COPIES=up["num_warps"], PDL=True),
+            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
+                 EVEN_K=True, EXPERTS_FP8=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"],
         ),
         "moe down (experts + shared + combine GEMV)": (

@@ -21,14 +21,10 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_e2e import TRITON_GROUPS, config
 from benchlib import ceilings, write_json
-from tune_decode_loop import PROMPT_POS, capture_step, step_ms
+from tune_decode_loop import PROMPT_POS, capture_step, decode_model, step_ms
 
 from kernels.linear import triton as linear_triton
-from qmoe.app import get_model
-from qmoe.metrics.measure import active_weight_bytes
-from qmoe.settings import validate
 
 
 def projection_kinds(model) -> dict:
@@ -59,7 +55,8 @@ def kind_of(event: dict, previous: str, projections: dict, model) -> tuple[str, 
             kind = "o_proj (after attention)" if previous.startswith("attention") else "out_proj (after DeltaNet)"
         return kind, nbytes
     if name.startswith("_moe_up_gemv_kernel"):
-        return "moe up (routing + 8 experts' gate, up)", c.num_experts_per_tok * 2 * c.moe_intermediate_size * c.hidden_size * item
+        rows = c.num_experts_per_tok * 2 * c.moe_intermediate_size
+        return "moe up (routing + 8 experts' gate, up)", rows * c.hidden_size * item
     if name.startswith("_moe_down_gemv_kernel"):
         rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
         return "moe down (8 experts + shared, combine)", rows * c.hidden_size * item
@@ -85,11 +82,7 @@ def main():
     args = parser.parse_args()
     t0 = time.time()
     ceil = ceilings("cuda")
-    cfg = config("model=qwen35_moe")
-    model = get_model(cfg, validate(cfg), progress=False).model
-    model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
-    model.setup_caches(1, PROMPT_POS + 16)
-    floor_ms = active_weight_bytes(model.config, model.dtype) / (ceil["copy_gbs"] * 1e9) * 1e3
+    model, floor_ms = decode_model("auto", ceil["copy_gbs"])
     runs = {}
     for pdl_on in (True, False):  # PDL off: each kernel runs alone, its duration is all it costs
         os.environ["QMOE_PDL"] = "1" if pdl_on else "0"
@@ -157,7 +150,8 @@ def timeline(model, replays: int, ceil: dict) -> dict:
         table.append({
             "kind": kind, "per_step": len(row["increment"]) // n, "increment_us": inc,
             "increment_us_each": statistics.median(row["increment"]),
-            "duration_us_each": statistics.median(row["duration"]), "overlap_us_each": statistics.median(row["overlap"]),
+            "duration_us_each": statistics.median(row["duration"]),
+            "overlap_us_each": statistics.median(row["overlap"]),
             "mb_per_step": nbytes / 1e6, "floor_us": nbytes / (ceil["copy_gbs"] * 1e3),
             "gbs_over_increment": nbytes / inc / 1e3 if inc else None,
         })  # fmt: skip

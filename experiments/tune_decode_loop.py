@@ -124,6 +124,17 @@ def without(model, ops: dict, part: str) -> dict:
     return ops
 
 
+def decode_model(weights: str, copy_gbs: float) -> tuple:
+    """The 35B-A3B model (random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with caches for the
+    step at PROMPT_POS -> (model, the step's floor in ms: its active weight bytes at copy_gbs)."""
+    cfg = config("model=qwen35_moe", f"model.weights={weights}")
+    model = get_model(cfg, validate(cfg), progress=False).model
+    model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
+    model.setup_caches(1, PROMPT_POS + 16)
+    fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    return model, active_weight_bytes(model.config, model.dtype, fp8) / (copy_gbs * 1e9) * 1e3
+
+
 def capture_step(model) -> torch.cuda.CUDAGraph:
     """One decode step at position PROMPT_POS (forward + greedy sample), warmed up and captured in a CUDA graph."""
     device = model.device
@@ -208,12 +219,7 @@ def main():
     args = parser.parse_args()
     t0 = time.time()
     ceil = ceilings("cuda")
-    cfg = config("model=qwen35_moe", f"model.weights={args.weights}")
-    model = get_model(cfg, validate(cfg), progress=False).model
-    model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
-    model.setup_caches(1, PROMPT_POS + 16)
-    fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
-    floor_ms = active_weight_bytes(model.config, model.dtype, fp8) / (ceil["copy_gbs"] * 1e9) * 1e3
+    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"])
     out = dict(ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, replays=args.replays)
 
     def save():
