@@ -19,29 +19,31 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from benchlib import ceilings, write_json
-from tune_decode_loop import PROMPT_POS, capture_step, decode_model, step_ms
+from tune_decode_loop import PROMPT_POS, capture_step, decode_model, projection_weights, replay_ms
 
 from kernels.linear import triton as linear_triton
+
+KIND_NAMES = {  # tune_decode_loop.PROJECTIONS -> the kind this table names
+    "gdn_in": "gdn in_proj (+ add, RMSNorm)",
+    "attn_qkv": "attention qkv (+ add, RMSNorm)",
+    "out_proj": "out_proj / o_proj",
+    "moe_in": "moe_in (+ add, RMSNorm)",
+    "lm_head": "lm_head",
+}
 
 
 def projection_kinds(model) -> dict:
     """Grid size of the M = 1 GEMV -> (kind, weight bytes) for the step's projection shapes."""
-    c, H, item = model.config, model.config.hidden_size, model.dtype.itemsize
-    shapes = {  # kind: (N, K)
-        "gdn in_proj (+ add, RMSNorm)": (12352, H),
-        "attention qkv (+ add, RMSNorm)": (9216, H),
-        "out_proj / o_proj": (H, 4096),
-        "moe_in (+ add, RMSNorm)": (c.num_experts + 2 * c.shared_expert_intermediate_size + 1, H),
-        "lm_head": (c.vocab_size, H),
-    }
     kinds = {}
-    for kind, (N, K) in shapes.items():
+    for what, weight in projection_weights(model).items():
+        N, K = weight.shape
         grid = linear_triton.cached_plan(1, N, K, model.dtype, model.device)[0][0]
-        assert grid not in kinds, f"two projection shapes share the grid {grid}: {kinds[grid]}, {kind}"
-        kinds[grid] = (kind, N * K * item)
+        assert grid not in kinds, f"two projection shapes share the grid {grid}: {kinds[grid]}, {what}"
+        kinds[grid] = (KIND_NAMES[what], weight.numel() * weight.element_size())
     return kinds
 
 
@@ -67,12 +69,13 @@ def kind_of(event: dict, previous: str, projections: dict, model) -> tuple[str, 
     return name.split("(")[0][:60], 0
 
 
-def replay_kernels(trace_path: str, per_replay: int) -> list[list[dict]]:
-    """The trace's kernel events in start order, cut into replays of per_replay kernels each."""
-    events = json.load(open(trace_path))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    n = len(kernels) // per_replay
-    return [kernels[i * per_replay : (i + 1) * per_replay] for i in range(n)]
+def kernel_events(prof) -> list[dict]:
+    """The profiler's kernel events (CUPTI, Chrome-trace form) in start order."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
 
 
 def main():
@@ -109,21 +112,20 @@ def main():
 
 def timeline(model, replays: int, ceil: dict) -> dict:
     """The step's graph replayed under the profiler -> its span and the per-kind table (see the docstring)."""
-    replay_ms = step_ms(model, 100)  # the step without the profiler, for comparison
     graph = capture_step(model)
-    trace = tempfile.mktemp(suffix=".json")
+    unprofiled_ms = replay_ms(graph, 100)  # the step without the profiler, for comparison
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:  # kernels per replay: one replay alone
         graph.replay()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(trace)
-    per_replay = len(replay_kernels(trace, 1))  # one kernel per "replay": the kernel count
+    per_replay = len(kernel_events(prof))
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(trace)
-    timed = replay_kernels(trace, per_replay)[2:]  # the first replays warm the profiler
+    kernels = kernel_events(prof)
+    timed = [kernels[i : i + per_replay] for i in range(0, len(kernels) - per_replay + 1, per_replay)]
+    timed = timed[2:]  # the first replays warm the profiler
     projections = projection_kinds(model)
     spans, per_kind, one_replay = [], defaultdict(lambda: defaultdict(list)), []
     for kernels in timed:
@@ -156,8 +158,8 @@ def timeline(model, replays: int, ceil: dict) -> dict:
             "gbs_over_increment": nbytes / inc / 1e3 if inc else None,
         })  # fmt: skip
     table.sort(key=lambda r: -r["increment_us"])
-    return dict(replay_ms_unprofiled=replay_ms, span_us_profiled=statistics.median(spans), kernels_per_step=per_replay,
-                replays=n, kinds=table, one_replay=one_replay)  # fmt: skip
+    return dict(replay_ms_unprofiled=unprofiled_ms, span_us_profiled=statistics.median(spans),
+                kernels_per_step=per_replay, replays=n, kinds=table, one_replay=one_replay)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -124,6 +124,22 @@ def without(model, ops: dict, part: str) -> dict:
     return ops
 
 
+# the step's M = 1 projection shapes, by the fused weight of layer 0 (DeltaNet) or 3 (attention) that has each
+PROJECTIONS = {
+    "lm_head": "lm_head.weight",
+    "gdn_in": "layers.0.linear_attn.in_proj",
+    "out_proj": "layers.0.linear_attn.out_proj.weight",  # attention's o_proj has the same shape
+    "attn_qkv": "layers.3.self_attn.qkv_proj",
+    "moe_in": "layers.0.mlp.in_proj",
+}
+
+
+def projection_weights(model) -> dict:
+    """PROJECTIONS -> the model's weights [N, K] (the fused projections are buffers, the others parameters)."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {what: tensors[name] for what, name in PROJECTIONS.items()}
+
+
 def decode_model(weights: str, copy_gbs: float) -> tuple:
     """The 35B-A3B model (random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with caches for the
     step at PROMPT_POS -> (model, the step's floor in ms: its active weight bytes at copy_gbs)."""
@@ -159,10 +175,14 @@ def capture_step(model) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def step_ms(model, replays: int) -> float:
-    """capture_step's graph -> median ms per replay (`replays` back to back, median of 3 such runs)."""
-    graph = capture_step(model)
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median ms per replay of `graph`: `replays` back to back, median of 3 such runs."""
     return event_median_us(lambda: [graph.replay() for _ in range(replays)], 3) / replays / 1e3
+
+
+def step_ms(model, replays: int) -> float:
+    """capture_step's graph -> replay_ms."""
+    return replay_ms(capture_step(model), replays)
 
 
 def gemv_config(c) -> dict:
@@ -247,18 +267,11 @@ def main():
         return
     H, cfg_m = model.config.hidden_size, model.config
     E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
-    gemv_shapes = [  # (what, N, K, the fused weight's name in layer 0 or 3)
-        ("lm_head", cfg_m.vocab_size, H, "lm_head.weight"),
-        ("gdn_in", 12352, H, "layers.0.linear_attn.in_proj"),
-        ("out_proj", H, 4096, "layers.0.linear_attn.out_proj.weight"),
-        ("attn_qkv", 9216, H, "layers.3.self_attn.qkv_proj"),
-        ("moe_in", E + 2 * cfg_m.shared_expert_intermediate_size + 1, H, "layers.0.mlp.in_proj"),
-    ]
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # the fused projections are buffers
     fp8_run = args.weights == "fp8"  # then only what the FP8 model holds in FP8 (the bf16 rest is the bf16 run's)
     rows, chosen = [], {"linear": {}, "moe": {}}
-    for what, N, K, name in gemv_shapes:
-        dtype = params[name].dtype
+    for what, weight in projection_weights(model).items():
+        (N, K), dtype = weight.shape, weight.dtype
         if fp8_run != (dtype == torch.float8_e4m3fn):
             continue
         key = linear_triton.shape_key(N, K, dtype)

@@ -179,9 +179,9 @@ def _decode_kernel(
     v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
     v_new = v_new.to(v_cache_ptr.dtype.element_ty)
     rg = tl.arange(0, REDUCE_G)
+    heads = kv_head * G + rg  # the same q heads as the merge's (and the gate's) rows
     out_ok = (rg < G)[:, None] & d_ok[None, :]
-    gate = tl.load(gate_ptr + b * stride_gb + (kv_head * G + rg)[:, None] * stride_gh + d[None, :], mask=out_ok,
-                   other=0.0)  # fmt: skip
+    gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :], mask=out_ok, other=0.0)
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
@@ -232,7 +232,6 @@ def _decode_kernel(
     tl.debug_barrier()
     if earlier == NUM_SPLITS - 1:
         n_active = tl.cdiv(n_tiles, tiles_per_split)  # the splits that wrote a partial
-        heads = kv_head * G + rg  # the q heads of this kv head, as the merge's rows
         s = tl.arange(0, REDUCE_S)
         part = (b * HQ + heads) * NUM_SPLITS  # [REDUCE_G]
         # One pass, rescaled as it goes (a flash-decoding merge): each step's log-sum-exps and partial outputs
