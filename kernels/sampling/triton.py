@@ -6,9 +6,9 @@ argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
-not need costs its programs a few loads. 4 + 2 * rounds_per_phase(bins) launches (20 with 16 bins, 36 with 4: the
-GPU defaults below and above B = 64),
-all with Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one's tail):
+not need costs its programs a few loads. Three launches when launch 3's grid fits on the GPU at once (batches
+up to ~16 on the H200), else 2 + (2 * rounds_per_phase(bins) + 1) (35 with the 4 bins of B >= 64), all with
+Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one's tail):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit, the number, sum and sum
@@ -21,10 +21,13 @@ all with Programmatic Dependent Launch on sm_90 (an idle launch overlaps the pre
    decides: the list holds the cut (s at or below it, <= CAP tokens) -> finish (5.) now; else a threshold t_j
    at or below the cut with <= CAP tokens above -> regather there (3.); else the radix rounds (4.), starting
    from the bracket between the two thresholds around the cut. Rows without a filter race over the row here.
-3. `_regather_kernel` (one pass, rows sent to it): gathers x >= t_j into the list; the last program finishes.
-4. `_radix_round_kernel`, 2 * rounds_per_phase(bins) launches, for rows whose kept set may exceed CAP: each
-   narrows the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut
-   first, then top-p's within the top-k set; `_race_kernel` then draws among the kept x of every chunk.
+3. `_resolve_kernel`, steps of one pass each for the rows launch 2 left open (others exit at once): the
+   regather (x >= t_j into the list; the last program finishes), a radix round, or the race. One launch that
+   runs every step, its programs waiting for each round's decision (`_await_decisions`), when all of its
+   programs are resident at once; else one launch per step.
+4. The radix rounds, at most 2 * rounds_per_phase(bins), for rows whose kept set may exceed CAP: each narrows
+   the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut first, then
+   top-p's within the top-k set; the race then draws among the kept x of every chunk.
 5. The finish (`_finish_from_list`, in the row's last program): sorts the keys of the list's filled prefix
    (the first CAP / 4, CAP / 2 or CAP slots, the fewest that hold it) in registers, takes the k-th key (top-k),
    then the first sorted position whose mass before it reaches top_p times the top-k set's mass (top-p), keeps
@@ -37,6 +40,7 @@ depends on a global generator, so CUDA graph replay is safe. The torch version c
 Philox bits (it uses its own hash), so the two agree exactly on greedy and in distribution otherwise.
 """
 
+import functools
 import os
 
 import torch
@@ -56,6 +60,7 @@ KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
 # the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
 SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SPLIT_MAX = 128  # programs per row, at most
+MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, `split` programs)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
@@ -122,10 +127,12 @@ def _key_value(key):
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-# the row's counters (int32 [N_COUNTERS + rounds + 1, B]), zeroed by the stats launch: arrivals and list fill of
-# launches 2 and 3, then one per radix round and the race
-C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST = (tl.constexpr(i) for i in range(4))
-N_COUNTERS = 4
+# the row's counters (int32 [N_COUNTERS + steps, B]), zeroed by the stats launch: arrivals and list fill of launch 2
+# and of the regather, the race's arrivals, the round decisions made, then the arrivals of each step of launch 3
+C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST, C_RACE_ARRIVED, C_DECIDED = (
+    tl.constexpr(i) for i in range(6)
+)
+N_COUNTERS = tl.constexpr(6)
 N_STATS_F = tl.constexpr(5)  # per chunk: max, sum of p relative to it, smallest finite logit, sum x, sum x^2
 N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 
@@ -516,13 +523,13 @@ def _gather_count_kernel(
     x_next = _load_block(base, start, stop, filtered, BLOCK)  # active rows have no NaN
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        p = tl.exp2((x - m[:, None]) * c[:, None])
         take = (x >= spec[:, None]) & msk
         _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
-        mass_spec += tl.where(take, p, 0.0)
         passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
         cnt_slots += passed.to(tl.int32)
-        if use_mass:
+        if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            mass_spec += tl.where(take, p, 0.0)
             mass_slots += tl.where(passed, p[:, :, None], 0.0)
     cnt = tl.sum(cnt_slots, 1)  # [R, NT]
     mass = tl.sum(mass_slots, 1)
@@ -574,199 +581,260 @@ def _gather_count_kernel(
         tl.store(out_ptr + rows, token, mask=last)
 
 
+@triton.jit
+def _regather_step(base, rows, busy, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
+                   buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   LOG_CAP: tl.constexpr):  # fmt: skip
+    """Rows `busy` (PHASE_REGATHER): every x >= s of this chunk into the row's list (s: the highest threshold of
+    launch 2 at or below the cut with <= CAP tokens above it); the row's last program to arrive finishes the row
+    from the list."""
+    s = tl.load(sf + F_S, mask=busy, other=float("inf"))
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    x_next = _load_block(base, start, end, busy, BLOCK)
+    for off in range(start, end, BLOCK):
+        x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)
+        _gather_block(x, cols, msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
+                      buf_idx_ptr, CAP)  # fmt: skip
+    tl.debug_barrier()  # every thread's stores before the release below
+    arrived = tl.atomic_add(counter_ptr + C_REGATHER_ARRIVED * B + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
+    last = busy & (arrived == split - 1)
+    if tl.max(last.to(tl.int32)) > 0:
+        n_list = tl.load(counter_ptr + C_REGATHER_LIST * B + rows, mask=last, other=0, volatile=True)
+        top_k = tl.load(st + S_K, mask=last, other=0)
+        top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
+        min_p = tl.load(sf + F_MIN_P, mask=last, other=0.0)
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
+        token = _finish_from_list(
+            buf_val_ptr, buf_idx_ptr, rows, last & (n_list <= CAP), n_list,
+            tl.load(sf + F_M, mask=last, other=0.0), tl.load(sf + F_C, mask=last, other=0.0),
+            tl.load(sf + F_TOTAL, mask=last, other=0.0), top_k, top_p, min_p, top_k > 0, top_p < 1.0,
+            min_p > 0.0, seed, step, CAP, LOG_CAP,
+        )  # fmt: skip
+        tl.store(out_ptr + rows, tl.where(n_list <= CAP, token, INVALID), mask=last)
+        tl.store(st + S_PHASE, tl.zeros_like(rows).to(tl.int64) + PHASE_NONE, mask=last)
+
+
+@triton.jit
+def _round_step(base, rows, busy, phase, chunk, chunk_blocks, V, st, sf, round_cnt_ptr, round_mass_ptr,
+                arrived_ptr, decided_ptr, split, BLOCK: tl.constexpr, NB: tl.constexpr,
+                SPLIT: tl.constexpr):  # fmt: skip
+    """One round of the radix selection for rows `busy` (a top-k or top-p phase). The row's bracket [lo, hi] of
+    order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k, or mass(key >= t) >=
+    target); NB thresholds t_j = lo + j * (hi - lo + 1) // NB split it. Every program counts (top-k) or weighs
+    (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last program to arrive sums them in
+    chunk order, narrows the bracket to [t_j, t_{j+1} - 1] of the largest t_j that passes (width w -> ceil(w /
+    NB): a phase ends, lo == hi, within ceil(32 / log2(NB)) rounds) and counts the decision at decided_ptr (the
+    other programs wait for it before their next step). A top-p phase after top-k starts with lo at top-k's cut:
+    its first round's mass at t_0 = lo is the mass of the top-k set, and its target is top_p times that (the same
+    sums as every later round's); top-p alone starts in the bracket launch 2 found, with the target top_p times
+    the row's sum of p."""
+    lo = tl.load(st + S_LO, mask=busy, other=0)
+    hi = tl.load(st + S_HI, mask=busy, other=0)
+    m = tl.load(sf + F_M, mask=busy, other=0.0)
+    c = tl.load(sf + F_C, mask=busy, other=0.0)
+    j = tl.arange(0, NB)
+    thr = lo[:, None] + ((hi - lo + 1)[:, None] * j[None, :]) // NB  # [R, NB] int64, t_0 = lo, increasing
+    thr32 = thr.to(tl.int32)  # between two int32 keys
+    lo32 = lo.to(tl.int32)
+    hi32 = hi.to(tl.int32)
+    weigh = tl.max((busy & (phase == PHASE_TOP_P)).to(tl.int32)) > 0  # top-k rows only count
+    cnt_slots = tl.zeros((rows.shape[0], BLOCK, NB), tl.int32)  # per slot: one cross-thread reduction after the loop
+    mass_slots = tl.zeros((rows.shape[0], BLOCK, NB), tl.float32)
+    cnt_above = tl.zeros((rows.shape[0], BLOCK), tl.int32)  # key > hi: at or above every threshold
+    mass_above = tl.zeros((rows.shape[0], BLOCK), tl.float32)
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    x_next = _load_block(base, start, end, busy, BLOCK)
+    for off in range(start, end, BLOCK):
+        x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)  # -0.0 as +0.0: every key
+        key = _ordered_key(x)
+        above = msk & (key > hi32[:, None])
+        cnt_above += above.to(tl.int32)
+        inside = msk & (key >= lo32[:, None]) & (key <= hi32[:, None])
+        any_inside = tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0  # else the block skips the thresholds
+        key = tl.where(inside, key, -(2**31))  # below every threshold
+        if weigh:
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            mass_above += tl.where(above, p, 0.0)
+            if any_inside:
+                mass_slots += tl.where(key[:, :, None] >= thr32[:, None, :], p[:, :, None], 0.0)
+        if any_inside:
+            cnt_slots += (key[:, :, None] >= thr32[:, None, :]).to(tl.int32)  # [R, BLOCK, NB]
+    cnt = tl.sum(cnt_slots, 1) + tl.sum(cnt_above, 1)[:, None]  # [R, NB]
+    mass = tl.sum(mass_slots, 1) + tl.sum(mass_above, 1)[:, None]
+    part = (rows[:, None] * split + chunk) * NB + j[None, :]
+    tl.store(round_cnt_ptr + part, cnt, mask=busy[:, None])
+    tl.store(round_mass_ptr + part, mass, mask=busy[:, None])
+    tl.debug_barrier()  # every thread's stores before the release below
+    arrived = tl.atomic_add(arrived_ptr + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
+    last = busy & (arrived == split - 1)
+    if tl.max(last.to(tl.int32)) > 0:
+        sp = tl.arange(0, SPLIT)
+        pm = last[:, None, None] & (sp < split)[None, :, None] & (j >= 0)[None, None, :]
+        parts = (rows[:, None, None] * split + sp[None, :, None]) * NB + j[None, None, :]  # [R, SPLIT, NB]
+        cnt = tl.sum(tl.load(round_cnt_ptr + parts, mask=pm, other=0, volatile=True), 1)  # chunk order
+        mass = tl.sum(tl.load(round_mass_ptr + parts, mask=pm, other=0.0, volatile=True), 1)
+        in_k = phase == PHASE_TOP_K
+        k = tl.load(st + S_K, mask=last, other=0)
+        top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
+        target = tl.load(sf + F_TARGET, mask=last, other=0.0)
+        target = tl.where(target < 0, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
+        ok = tl.where(in_k[:, None], cnt.to(tl.int64) >= k[:, None], mass >= target[:, None])  # true, then false
+        j_cut = tl.maximum(tl.sum(ok.to(tl.int32), 1) - 1, 0)
+        new_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], thr, 0), 1)
+        next_thr = tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, thr, 0), 1)
+        new_hi = tl.maximum(tl.where(j_cut + 1 < NB, next_thr - 1, hi), new_lo)
+        done = new_hi == new_lo
+        to_p = in_k & done & (top_p < 1.0)  # top-k done: top-p next, over the top-k set, else the race
+        next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), phase)
+        tl.store(st + S_PHASE, next_phase, mask=last)
+        tl.store(st + S_LO, new_lo, mask=last)
+        tl.store(st + S_HI, tl.where(to_p, tl.load(st + S_TOP, mask=last, other=0), new_hi), mask=last)
+        tl.store(st + S_CUT, new_lo, mask=last)
+        tl.store(sf + F_TARGET, tl.where(to_p, -1.0, target), mask=last)
+        rounds_at = tl.where(in_k, S_ROUNDS_K, S_ROUNDS_P)
+        tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
+        tl.debug_barrier()  # the decision's stores before its release
+        tl.atomic_add(decided_ptr + rows, 1, mask=last, sem="release", scope="gpu")
+
+
+@triton.jit
+def _race_step(base, rows, racing, chunk, chunk_blocks, V, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
+               race_f_ptr, race_i_ptr, arrived_ptr, out_ptr, split, BLOCK: tl.constexpr,
+               SPLIT: tl.constexpr):  # fmt: skip
+    """Rows `racing` (PHASE_RACE: the cut is known, from the rounds or none): the exponential race over the kept x
+    of this chunk (key >= cut, p >= min_p) -> partials; the row's last program to arrive takes the best (lowest
+    index on ties, chunks being in token order) and writes the token."""
+    cut = tl.load(st + S_CUT, mask=racing, other=0).to(tl.int32)
+    m = tl.load(sf + F_M, mask=racing, other=0.0)
+    c = tl.load(sf + F_C, mask=racing, other=0.0)
+    min_p = tl.load(sf + F_MIN_P, mask=racing, other=0.0)
+    seed = tl.load(seed_ptr + rows * seed_stride, mask=racing, other=0).to(tl.int64)
+    step = tl.load(step_ptr + rows * step_stride, mask=racing, other=0).to(tl.int64)
+    best = tl.full((rows.shape[0], BLOCK), float("-inf"), tl.float32)
+    best_idx = tl.zeros((rows.shape[0], BLOCK), tl.int32) + V
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    x_next = _load_block(base, start, end, racing, BLOCK)
+    for off in range(start, end, BLOCK):
+        x, x_next, cols, msk = _next_block(base, x_next, off, end, racing, BLOCK)
+        keep = msk & (_ordered_key(x) >= cut[:, None]) & (x > float("-inf"))
+        keep &= tl.exp2((x - m[:, None]) * c[:, None]) >= min_p[:, None]  # min-p 0 when off
+        race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+        race = tl.where(keep, race, float("-inf"))
+        up = race > best  # strict: a slot keeps its earliest index on ties
+        best_idx = tl.where(up, cols[None, :], best_idx)
+        best = tl.where(up, race, best)
+    chunk_best = tl.max(best, 1)
+    chunk_idx = tl.min(tl.where(best == chunk_best[:, None], best_idx, V), 1)
+    tl.store(race_f_ptr + rows * split + chunk, chunk_best, mask=racing)
+    tl.store(race_i_ptr + rows * split + chunk, chunk_idx, mask=racing)
+    tl.debug_barrier()  # every thread's stores before the release below
+    arrived = tl.atomic_add(arrived_ptr + rows, 1, mask=racing, sem="acq_rel", scope="gpu")
+    last = racing & (arrived == split - 1)
+    if tl.max(last.to(tl.int32)) > 0:
+        sp = tl.arange(0, SPLIT)
+        pm = last[:, None] & (sp < split)[None, :]
+        bests = tl.load(race_f_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=float("-inf"),
+                        volatile=True)  # fmt: skip
+        ids = tl.load(race_i_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=V, volatile=True)
+        winner = tl.max(bests, 1)
+        token = tl.min(tl.where(bests == winner[:, None], ids, V), 1).to(tl.int64)
+        tl.store(out_ptr + rows, token, mask=last)
+        tl.store(st + S_PHASE, tl.zeros_like(rows).to(tl.int64) + PHASE_NONE, mask=last)
+
+
+SPIN_LIMIT = tl.constexpr(1 << 20)  # acquire polls per wait (~1 s): a lost program gives INVALID_TOKEN, not a hang
+
+
+@triton.jit
+def _await_decisions(decided_ptr, waiting, target):
+    """Spins until the round decisions of the rows `waiting` reach `target` -> the rows whose decision came (all
+    of them, unless SPIN_LIMIT ran out: those rows stay INVALID_TOKEN)."""
+    seen = tl.atomic_add(decided_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
+    spins = 0
+    while (tl.min(tl.where(waiting, seen, target)) < target) & (spins < SPIN_LIMIT):
+        seen = tl.atomic_add(decided_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
+        spins += 1
+    tl.debug_barrier()  # no thread reads the decision before the acquire
+    return waiting & (seen >= target)
+
+
+@triton.jit
+def _resolve_step(base, rows, phase, s, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride, st,
+                  sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, counter_ptr,
+                  out_ptr, split, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                  LOG_CAP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Step s of launch 3 for rows in `phase`: the pass each open row's phase asks for -> the rows in the rounds."""
+    regather = phase == PHASE_REGATHER
+    if tl.max(regather.to(tl.int32)) > 0:
+        _regather_step(base, rows, regather, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride,
+                       st, sf, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, BLOCK, CAP, LOG_CAP)  # fmt: skip
+    rounds = (phase == PHASE_TOP_K) | (phase == PHASE_TOP_P)
+    if tl.max(rounds.to(tl.int32)) > 0:
+        _round_step(base, rows, rounds, phase, chunk, chunk_blocks * (BLOCK // BLOCK_R), V, st, sf, round_cnt_ptr,
+                    round_mass_ptr, counter_ptr + (N_COUNTERS + s) * B, counter_ptr + C_DECIDED * B, split, BLOCK_R,
+                    NB, SPLIT)  # fmt: skip
+    racing = phase == PHASE_RACE
+    if tl.max(racing.to(tl.int32)) > 0:
+        _race_step(base, rows, racing, chunk, chunk_blocks, V, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
+                   race_f_ptr, race_i_ptr, counter_ptr + C_RACE_ARRIVED * B, out_ptr, split, BLOCK, SPLIT)  # fmt: skip
+    return rounds
+
+
 @fast_launch
-@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks"])
-def _regather_kernel(
+@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks", "first_step", "steps"])
+def _resolve_kernel(
     logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
-    buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, PDL: tl.constexpr,
+    buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split,
+    chunk_blocks, first_step, steps, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
+    CAP: tl.constexpr, LOG_CAP: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """3. Rows that launch 2 sent here (others exit at once): every x >= s of this chunk into the row's list (s:
-    the highest threshold of launch 2 at or below the cut with <= CAP tokens above it); the row's last program to
-    arrive finishes the row from the list."""
+    """3. Steps first_step .. first_step + steps - 1 for the rows launch 2 left open (the others exit at once):
+    each step is one pass over the chunk for every open row, the one its phase asks for: the regather (then the
+    row is finished), a radix round, or the race (finished). A row in the rounds takes its next step once the
+    round's decision is made: PERSISTENT, the row's programs wait for it here (all of them are resident: see
+    launch()); else each launch is one step (steps = 1, the host launches the next: the CPU interpreter, which
+    runs one program after another)."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     chunk = tl.program_id(1)
     st = state_i_ptr + rows * N_STATE
     sf = state_f_ptr + rows * N_STATE
-    wait_for_producers(PDL)
-    busy = (rows < B) & (tl.load(st + S_PHASE, mask=rows < B, other=0) == PHASE_REGATHER)
-    if tl.max(busy.to(tl.int32)) > 0:
-        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
-        s = tl.load(sf + F_S, mask=busy, other=float("inf"))
-        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
-        x_next = _load_block(base, start, end, busy, BLOCK)
-        for off in range(start, end, BLOCK):
-            x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)
-            _gather_block(x, cols, msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
-                          buf_idx_ptr, CAP)  # fmt: skip
-        tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(counter_ptr + C_REGATHER_ARRIVED * B + rows, 1, mask=busy, sem="acq_rel",
-                                scope="gpu")  # fmt: skip
-        last = busy & (arrived == split - 1)
-        if tl.max(last.to(tl.int32)) > 0:
-            n_list = tl.load(counter_ptr + C_REGATHER_LIST * B + rows, mask=last, other=0, volatile=True)
-            top_k = tl.load(st + S_K, mask=last, other=0)
-            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
-            min_p = tl.load(sf + F_MIN_P, mask=last, other=0.0)
-            seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)
-            step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
-            token = _finish_from_list(
-                buf_val_ptr, buf_idx_ptr, rows, last & (n_list <= CAP), n_list,
-                tl.load(sf + F_M, mask=last, other=0.0), tl.load(sf + F_C, mask=last, other=0.0),
-                tl.load(sf + F_TOTAL, mask=last, other=0.0), top_k, top_p, min_p, top_k > 0, top_p < 1.0,
-                min_p > 0.0, seed, step, CAP, LOG_CAP,
-            )  # fmt: skip
-            tl.store(out_ptr + rows, tl.where(n_list <= CAP, token, INVALID), mask=last)
-            tl.store(st + S_PHASE, tl.zeros((R,), tl.int64) + PHASE_NONE, mask=last)
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
-def _radix_round_kernel(
-    logits_ptr, stride_row, B, V, state_i_ptr, state_f_ptr, round_cnt_ptr, round_mass_ptr, counter_ptr, split,
-    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One round of the radix selection for the rows in a top-k / top-p phase (others exit at once). The row's
-    bracket [lo, hi] of order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k,
-    or mass(key >= t) >= target); NB thresholds t_j = lo + j * (hi - lo + 1) // NB split it. Every program
-    counts (top-k) or weighs (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last
-    program to arrive sums them in chunk order and narrows the bracket to [t_j, t_{j+1} - 1] of the largest
-    t_j that passes: width w -> ceil(w / NB), so a phase ends (lo == hi: the cut) within ceil(32 / log2(NB))
-    rounds. A top-p phase after top-k starts with lo at top-k's cut: its first round's mass at t_0 = lo is the
-    mass of the top-k set, and its target is top_p times that (the same sums as every later round's); top-p
-    alone starts in the bracket launch 2 found, with the target top_p times the row's sum of p."""
-    allow_dependents(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    chunk = tl.program_id(1)
-    st = state_i_ptr + rows * N_STATE
-    sf = state_f_ptr + rows * N_STATE
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
     phase = tl.load(st + S_PHASE, mask=rows < B, other=0)
-    busy = (rows < B) & ((phase == PHASE_TOP_K) | (phase == PHASE_TOP_P))
-    if tl.max(busy.to(tl.int32)) > 0:
-        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
-        lo = tl.load(st + S_LO, mask=busy, other=0)
-        hi = tl.load(st + S_HI, mask=busy, other=0)
-        m = tl.load(sf + F_M, mask=busy, other=0.0)
-        c = tl.load(sf + F_C, mask=busy, other=0.0)
-        j = tl.arange(0, NB)
-        thr = lo[:, None] + ((hi - lo + 1)[:, None] * j[None, :]) // NB  # [R, NB] int64, t_0 = lo, increasing
-        thr32 = thr.to(tl.int32)  # between two int32 keys
-        lo32 = lo.to(tl.int32)
-        hi32 = hi.to(tl.int32)
-        weigh = tl.max((busy & (phase == PHASE_TOP_P)).to(tl.int32)) > 0  # top-k rows only count
-        cnt_slots = tl.zeros((R, BLOCK, NB), tl.int32)  # per slot: one cross-thread reduction after the loop
-        mass_slots = tl.zeros((R, BLOCK, NB), tl.float32)
-        cnt_above = tl.zeros((R, BLOCK), tl.int32)  # key > hi: at or above every threshold
-        mass_above = tl.zeros((R, BLOCK), tl.float32)
-        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
-        x_next = _load_block(base, start, end, busy, BLOCK)
-        for off in range(start, end, BLOCK):
-            x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)  # -0.0 as +0.0: every key
-            key = _ordered_key(x)
-            above = msk & (key > hi32[:, None])
-            cnt_above += above.to(tl.int32)
-            inside = msk & (key >= lo32[:, None]) & (key <= hi32[:, None])
-            any_inside = tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0  # else the block skips the thresholds
-            key = tl.where(inside, key, -(2**31))  # below every threshold
-            if weigh:
-                p = tl.exp2((x - m[:, None]) * c[:, None])
-                mass_above += tl.where(above, p, 0.0)
-                if any_inside:
-                    mass_slots += tl.where(key[:, :, None] >= thr32[:, None, :], p[:, :, None], 0.0)
-            if any_inside:
-                cnt_slots += (key[:, :, None] >= thr32[:, None, :]).to(tl.int32)  # [R, BLOCK, NB]
-        cnt = tl.sum(cnt_slots, 1) + tl.sum(cnt_above, 1)[:, None]  # [R, NB]
-        mass = tl.sum(mass_slots, 1) + tl.sum(mass_above, 1)[:, None]
-        part = (rows[:, None] * split + chunk) * NB + j[None, :]
-        tl.store(round_cnt_ptr + part, cnt, mask=busy[:, None])
-        tl.store(round_mass_ptr + part, mass, mask=busy[:, None])
-        tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
-        last = busy & (arrived == split - 1)
-        if tl.max(last.to(tl.int32)) > 0:
-            sp = tl.arange(0, SPLIT)
-            pm = last[:, None, None] & (sp < split)[None, :, None] & (j >= 0)[None, None, :]
-            parts = (rows[:, None, None] * split + sp[None, :, None]) * NB + j[None, None, :]  # [R, SPLIT, NB]
-            cnt = tl.sum(tl.load(round_cnt_ptr + parts, mask=pm, other=0, volatile=True), 1)  # chunk order
-            mass = tl.sum(tl.load(round_mass_ptr + parts, mask=pm, other=0.0, volatile=True), 1)
-            in_k = phase == PHASE_TOP_K
-            k = tl.load(st + S_K, mask=last, other=0)
-            top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
-            target = tl.load(sf + F_TARGET, mask=last, other=0.0)
-            target = tl.where(target < 0, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
-            ok = tl.where(in_k[:, None], cnt.to(tl.int64) >= k[:, None], mass >= target[:, None])  # true, then false
-            j_cut = tl.maximum(tl.sum(ok.to(tl.int32), 1) - 1, 0)
-            new_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], thr, 0), 1)
-            next_thr = tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, thr, 0), 1)
-            new_hi = tl.maximum(tl.where(j_cut + 1 < NB, next_thr - 1, hi), new_lo)
-            done = new_hi == new_lo
-            to_p = in_k & done & (top_p < 1.0)  # top-k done: top-p next, over the top-k set, else the race
-            next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), phase)
-            tl.store(st + S_PHASE, next_phase, mask=last)
-            tl.store(st + S_LO, new_lo, mask=last)
-            tl.store(st + S_HI, tl.where(to_p, tl.load(st + S_TOP, mask=last, other=0), new_hi), mask=last)
-            tl.store(st + S_CUT, new_lo, mask=last)
-            tl.store(sf + F_TARGET, tl.where(to_p, -1.0, target), mask=last)
-            rounds_at = tl.where(in_k, S_ROUNDS_K, S_ROUNDS_P)
-            tl.store(st + rounds_at, tl.load(st + rounds_at, mask=last, other=0) + 1, mask=last)
+    if PERSISTENT:
+        s = first_step
+        while (s < first_step + steps) & (tl.max((phase != PHASE_NONE).to(tl.int32)) > 0):
+            rounds = _resolve_step(base, rows, phase, s, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
+                                   step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr,
+                                   race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP,
+                                   LOG_CAP, SPLIT)  # fmt: skip
+            # a row in the rounds since step 0 has had s + 1 decisions once this round's is made
+            rounds = _await_decisions(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
+            # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
+            phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
+            s += 1
+    else:  # one step, without the loop: 124 registers at 4 bins against 228 (sm_90 AOT), so idle programs of a
+        # large batch (this path) run more per SM
+        _resolve_step(base, rows, phase, first_step, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
+                      step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr,
+                      race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP, LOG_CAP, SPLIT)  # fmt: skip
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["B", "seed_stride", "step_stride", "split", "chunk_blocks"])
-def _race_kernel(
-    logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
-    race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Rows whose cut the rounds found (others exit at once): the exponential race over the kept x of this chunk
-    (key >= cut, p >= min_p) -> partials; the row's last program to arrive takes the best (lowest index on
-    ties, chunks being in token order) and writes the token."""
-    allow_dependents(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    chunk = tl.program_id(1)
-    st = state_i_ptr + rows * N_STATE
-    sf = state_f_ptr + rows * N_STATE
-    wait_for_producers(PDL)
-    racing = (rows < B) & (tl.load(st + S_PHASE, mask=rows < B, other=0) == PHASE_RACE)
-    if tl.max(racing.to(tl.int32)) > 0:
-        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
-        cut = tl.load(st + S_CUT, mask=racing, other=0).to(tl.int32)
-        m = tl.load(sf + F_M, mask=racing, other=0.0)
-        c = tl.load(sf + F_C, mask=racing, other=0.0)
-        min_p = tl.load(sf + F_MIN_P, mask=racing, other=0.0)
-        seed = tl.load(seed_ptr + rows * seed_stride, mask=racing, other=0).to(tl.int64)
-        step = tl.load(step_ptr + rows * step_stride, mask=racing, other=0).to(tl.int64)
-        best = tl.full((R, BLOCK), float("-inf"), tl.float32)
-        best_idx = tl.zeros((R, BLOCK), tl.int32) + V
-        start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
-        x_next = _load_block(base, start, end, racing, BLOCK)
-        for off in range(start, end, BLOCK):
-            x, x_next, cols, msk = _next_block(base, x_next, off, end, racing, BLOCK)
-            keep = msk & (_ordered_key(x) >= cut[:, None]) & (x > float("-inf"))
-            keep &= tl.exp2((x - m[:, None]) * c[:, None]) >= min_p[:, None]  # min-p 0 when off
-            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
-            race = tl.where(keep, race, float("-inf"))
-            up = race > best  # strict: a slot keeps its earliest index on ties
-            best_idx = tl.where(up, cols[None, :], best_idx)
-            best = tl.where(up, race, best)
-        chunk_best = tl.max(best, 1)
-        chunk_idx = tl.min(tl.where(best == chunk_best[:, None], best_idx, V), 1)
-        tl.store(race_f_ptr + rows * split + chunk, chunk_best, mask=racing)
-        tl.store(race_i_ptr + rows * split + chunk, chunk_idx, mask=racing)
-        tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(counter_ptr + rows, 1, mask=racing, sem="acq_rel", scope="gpu")
-        last = racing & (arrived == split - 1)
-        if tl.max(last.to(tl.int32)) > 0:
-            sp = tl.arange(0, SPLIT)
-            pm = last[:, None] & (sp < split)[None, :]
-            bests = tl.load(race_f_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=float("-inf"),
-                            volatile=True)  # fmt: skip
-            ids = tl.load(race_i_ptr + rows[:, None] * split + sp[None, :], mask=pm, other=V, volatile=True)
-            winner = tl.max(bests, 1)
-            token = tl.min(tl.where(bests == winner[:, None], ids, V), 1).to(tl.int64)
-            tl.store(out_ptr + rows, token, mask=last)
+def resolve_plan(blocks: int, split: int, sms: int) -> tuple[bool, int]:
+    """(launch 3 waits inside, its programs per row) for `blocks` row blocks of `split` chunks on `sms` SMs (0:
+    the CPU interpreter): waiting needs the whole grid resident, one program per SM, with >= MIN_SPLIT_R programs
+    per row (or all `split` of them)."""
+    split_r = min(split, sms // blocks)
+    if split_r >= min(split, MIN_SPLIT_R) and split_r > 0:
+        return True, split_r
+    return False, split
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rounds_per_phase(bins: int) -> int:
@@ -830,8 +898,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     round_mass = torch.empty(B, split, bins, dtype=torch.float32, device=device)
     race_f = torch.empty(B, split, dtype=torch.float32, device=device)
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
-    # the counters of launches 2 and 3 (arrivals, list fill), one per round and the race's: zeroed by launch 1
-    counters = torch.empty(N_COUNTERS + rounds + 1, B, dtype=torch.int32, device=device)
+    steps = rounds + 1  # the rounds, then the race
+    counters = torch.empty(N_COUNTERS.value + steps, B, dtype=torch.int32, device=device)  # zeroed by launch 1
     grid = (triton.cdiv(B, rows), split)
     on = pdl(logits)
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
@@ -846,19 +914,20 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
         LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, **opts,
     )  # fmt: skip
-    _regather_kernel[grid](
-        logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val, buf_idx,
-        counters, out, split, chunk_blocks, R=rows, BLOCK=block, CAP=cap, LOG_CAP=log_cap, **opts,
-    )  # fmt: skip
-    for r in range(rounds):
-        _radix_round_kernel[grid](
-            logits, logits.stride(0), B, V, state, state_f, round_cnt, round_mass, counters[N_COUNTERS + r], split,
-            chunk_blocks * (block // block_r), R=rows, BLOCK=block_r, NB=bins, SPLIT=SPLIT, **opts,
+    # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
+    # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
+    # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
+    # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
+    blocks = triton.cdiv(B, rows)
+    persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+    chunk_r = triton.cdiv(triton.cdiv(V, split_r), block)
+    for first in range(0, steps, steps if persistent else 1):
+        _resolve_kernel[(blocks, split_r)](
+            logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
+            buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split_r, chunk_r, first,
+            steps if persistent else 1, R=rows, BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap,
+            SPLIT=triton.next_power_of_2(split_r), PERSISTENT=persistent, **opts,
         )  # fmt: skip
-    _race_kernel[grid](
-        logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, race_f, race_i,
-        counters[N_COUNTERS + rounds], out, split, chunk_blocks, R=rows, BLOCK=block, SPLIT=SPLIT, **opts,
-    )  # fmt: skip
     return out
 
 

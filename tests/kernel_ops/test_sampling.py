@@ -426,7 +426,7 @@ def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, e
     assert not ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any(), "unfinished rows"
     bound = fused.rounds_per_phase(bins)
     assert state[:, fused.S_ROUNDS_K.value].max() <= bound and state[:, fused.S_ROUNDS_P.value].max() <= bound
-    radix = phase == fused.PHASE_RACE.value
+    radix = state[:, fused.S_PATH.value] == fused.PATH_RADIX.value
     if exact:
         # tokens whose float64 p underflows to 0 (T = 0.05) are in no reference set, and never win a race
         kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (probs > 0)
@@ -483,6 +483,21 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
     short = fused.launch(rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, rounds=2 * bound - 1)
     assert (short == naive.INVALID_TOKEN).any()
+
+
+@pytest.mark.parametrize(
+    "blocks, split, sms, plan",
+    [
+        (1, 122, 132, (True, 122)),  # B = 1 on the H200: the whole grid resident, one launch
+        (8, 128, 132, (True, 16)),  # fewer programs per row, still one launch
+        (16, 128, 132, (True, 8)),  # the last batch with MIN_SPLIT_R programs per row
+        (17, 121, 132, (False, 121)),  # a launch per step, every chunk its program
+        (4, 1, 132, (True, 1)),  # a row of one chunk needs no program to wait for another
+        (1, 3, 0, (False, 3)),  # the CPU interpreter runs programs one after another: never wait
+    ],
+)
+def test_resolve_plan(blocks, split, sms, plan):
+    assert fused.resolve_plan(blocks, split, sms) == plan
 
 
 def test_rounds_per_phase():
