@@ -60,8 +60,8 @@ RUNTIME_S = 180.0
 PATHS = {  # how the rows of a case finished (fused.S_PATH): the launch that drew their token
     "list": fused.PATH_LIST.value,  # launch 2's speculative list held the cut
     "regather": fused.PATH_REGATHER.value,  # launch 3, from a regather at a counted threshold
-    "radix": fused.PATH_RADIX.value,  # the radix rounds, then the race launch
-    "race": fused.PATH_RACE.value,  # the race launch alone (no filter, or min-p over > CAP tokens)
+    "radix": fused.PATH_RADIX.value,  # the radix rounds, then the race
+    "race": fused.PATH_RACE.value,  # the race alone (no filter, or min-p over > CAP tokens)
 }
 GRAPH_US = 30_000  # calls per CUDA graph: at most this much work (the runtime stays < 3 min on slow cases)
 

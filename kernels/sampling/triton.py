@@ -417,11 +417,11 @@ def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, t
 
 
 # the state of a row (int64 [B, N_STATE] and fp32 [B, N_STATE]), written by the row's last program to arrive in
-# launches 2 to 4, read by every program of the row in the next launch
+# launch 2 and in each step of launch 3, read by every program of the row in the next step
 PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed more than launch 2)
 PHASE_TOP_K = tl.constexpr(1)  # rounds narrow [lo, hi] to the k-th largest key
 PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within the top-k set
-PHASE_RACE = tl.constexpr(3)  # the cut is known: the race launch draws the token (the state stays at this)
+PHASE_RACE = tl.constexpr(3)  # the cut is known: the race draws the token (then PHASE_NONE)
 PHASE_REGATHER = tl.constexpr(4)  # launch 3 regathers x >= F_S and finishes the row
 # int64 columns: phase, bracket, cut (the kept keys are >= it), k (0: off), key of the max, rounds run per phase,
 # the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it)
@@ -429,8 +429,8 @@ S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH = (tl.con
 PATH_STATS = tl.constexpr(0)  # greedy, NaN, all -inf or +inf rows: the stats' answer
 PATH_LIST = tl.constexpr(2)  # the speculative gather held the cut: finished by launch 2
 PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a regather at a counted threshold
-PATH_RADIX = tl.constexpr(4)  # the radix rounds found the cut, the race launch drew
-PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over more than CAP tokens): the race launch
+PATH_RADIX = tl.constexpr(4)  # the radix rounds found the cut, the race drew
+PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over more than CAP tokens): the race
 # fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: set by the first top-p round), min_p
 # (0: off), the regather threshold, the row's sum of p
 F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P, F_S, F_TOTAL = (tl.constexpr(i) for i in range(7))

@@ -88,7 +88,7 @@ def test_filtered_distribution_matches_its_definition():
     [
         (16, 11_200, None),  # power of two: 9 combos x 11.2k = 100k draws
         (43, 4_000, None),  # prime V: a masked tail in every block (the interpreter is slow: fewer draws)
-        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the radix rounds and the race launch
+        (40, 1_500, 8),  # a buffer of 8 slots: most rows take the radix rounds and the race
     ],
 )
 def test_distribution_chi_square(V, draws, cap):
@@ -505,7 +505,7 @@ def test_rounds_per_phase():
 
 
 def test_radix_distribution_chi_square():
-    # the rounds and the race launch draw from the exact filtered law on the hard shapes (peaked: the k-th value
+    # the rounds and the race draw from the exact filtered law on the hard shapes (peaked: the k-th value
     # in the tail; ties at the cut; zipf), 2k draws per combo through an 4-slot buffer
     V, draws = 48, 2_000
     combos = [(1.0, 20, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.0, 10, 1.0, 0.05)]
