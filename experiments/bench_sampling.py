@@ -20,7 +20,10 @@ not L2); the copy ceiling is measured in the same run. The JSON reports per B th
 worst shape of the target mode, the worst case of every mode run at that B (the family's cliff), and every target
 met / missed with the factor.
 
-    PYTHONPATH=. python experiments/bench_sampling.py [--out results/bench_sampling.json] [--quick]
+    PYTHONPATH=. python experiments/bench_sampling.py [--out results/bench_sampling.json] [--quick] [--target-only]
+    (--quick: B = 1 and 256; --target-only: greedy and the target mode, no other modes or bins sweep. A line per
+    case as it finishes, and the JSON so far after each case, "complete": false until the end: a run cut short by a
+    time limit still leaves its rows)
     TRITON_INTERPRET=1 PYTHONPATH=. python experiments/bench_sampling.py --vocab 256 --quick --out /tmp/b.json
     (a CPU smoke run of the script itself: the interpreter's times mean nothing)
 """
@@ -178,14 +181,14 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
     return rows
 
 
-def cases(batches):
+def cases(batches, target_only=False):
     """(mode, shape, B, dtype, baseline?) in the order they run."""
     for B in batches:
         for dtype in (torch.float32, torch.bfloat16):
             yield "greedy", "llm", B, dtype, True
             for shape in SHAPES if dtype == torch.float32 else ("llm", "flat"):
                 yield TARGET_MODE, shape, B, dtype, shape == "llm"
-        if B in (1, 256):
+        if B in (1, 256) and not target_only:
             for mode in MODES:
                 if mode != TARGET_MODE:
                     for shape in ("llm", "flat"):
@@ -234,6 +237,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/bench_sampling.json")
     parser.add_argument("--quick", action="store_true", help="B = 1 and 256 only")
+    parser.add_argument("--target-only", action="store_true", help="greedy and the target mode only (no other modes,"
+                        " no bins sweep)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB, help="smaller only for CPU smoke runs of the script")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,13 +246,22 @@ def main():
     batches = (1, 256) if args.quick else BATCHES
     start = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs(device)
+    runs = [
+        (mode, shape, B, dtype, baseline, None) for mode, shape, B, dtype, baseline in cases(batches, args.target_only)
+    ]
+    if not args.target_only:  # the rounds' bins: fewer launches against more work a round
+        runs += [(mode, shape, B, torch.float32, False, bins) for B in batches if B in (1, 256)
+                 for mode, shape in RADIX_CASES for bins in BINS_SWEEP]  # fmt: skip
     rows = []
-    for mode, shape, B, dtype, baseline in cases(batches):
-        rows += bench_case(mode, shape, B, V, dtype, device, baseline)
-    for B in (b for b in batches if b in (1, 256)):  # the rounds' bins: fewer launches against more work a round
-        for mode, shape in RADIX_CASES:
-            for bins in BINS_SWEEP:
-                rows += bench_case(mode, shape, B, V, torch.float32, device, False, bins=bins)
+    for mode, shape, B, dtype, baseline, bins in runs:
+        new = bench_case(mode, shape, B, V, dtype, device, baseline, bins=bins)
+        rows += new
+        for r in new:
+            print(
+                f"{r['mode']:<16} {r['logits']:<10} B={r['B']:<4} {r['dtype']:<9} {r['impl']:<14} {r['us']:>10.1f} us"
+            )
+        # what has run so far, should the run be cut short (the final write below replaces it)
+        write_json(args.out, "bench_sampling", device, V=V, copy_gbs=copy_gbs, rows=rows, complete=False)
     for r in rows:
         r["floor_us"] = r["logits_MB"] * 1e3 / copy_gbs  # one read of the logits at the copy rate
     summary, targets = summarise(rows, batches)
@@ -255,7 +269,8 @@ def main():
     targets.append(target("benchmark runtime s", seconds, RUNTIME_S, True))
     write_json(
         args.out, "bench_sampling", device, V=V, copy_gbs=copy_gbs, per_batch=summary, rows=rows, targets=targets,
-        seconds=seconds, checked="greedy / top-k 1 == argmax, sampled tokens in the float64 kept set",
+        seconds=seconds, checked="greedy / top-k 1 == argmax, sampled tokens in the float64 kept set", complete=True,
+        target_only=args.target_only,
     )  # fmt: skip
 
     print(f"V = {V} on {device}, copy ceiling {copy_gbs:.0f} GB/s; us per call (CUDA graph, logits from HBM)")
