@@ -213,20 +213,27 @@ def _combine_stats(part_f_ptr, part_i_ptr, rows, row_ok, split, c, V, SPLIT: tl.
     sp = tl.arange(0, SPLIT)
     pm = row_ok[:, None] & (sp < split)[None, :]
     parts = (rows[:, None] * split + sp[None, :]) * N_STATS_F  # [R, SPLIT]
+    parts_i = (rows[:, None] * split + sp[None, :]) * N_STATS_I
+    # every load first: a cross-thread reduction is a barrier, and no load moves above one (sm_90 SASS: one L2
+    # round trip per statistic when each load sat before its own reduction)
     ms = tl.load(part_f_ptr + parts, mask=pm, other=float("-inf"))
+    totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0)
+    x_mins = tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf"))
+    s1s = tl.load(part_f_ptr + parts + 3, mask=pm, other=0.0)
+    s2s = tl.load(part_f_ptr + parts + 4, mask=pm, other=0.0)
+    args = tl.load(part_i_ptr + parts_i, mask=pm, other=V)
+    n_finites = tl.load(part_i_ptr + parts_i + 1, mask=pm, other=0)
+    nans = tl.load(part_i_ptr + parts_i + 2, mask=pm, other=0)
     m = tl.max(ms, 1)
     ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
-    totals = tl.load(part_f_ptr + parts + 1, mask=pm, other=0.0)
     scale = tl.where(ms == float("-inf"), 0.0, tl.exp2((ms - ref[:, None]) * c[:, None]))
     total = tl.sum(totals * scale, 1)  # chunk sums are relative to their own max
-    x_min = tl.min(tl.load(part_f_ptr + parts + 2, mask=pm, other=float("inf")), 1)
-    s1 = tl.sum(tl.load(part_f_ptr + parts + 3, mask=pm, other=0.0), 1)
-    s2 = tl.sum(tl.load(part_f_ptr + parts + 4, mask=pm, other=0.0), 1)
-    parts = (rows[:, None] * split + sp[None, :]) * N_STATS_I
-    args = tl.load(part_i_ptr + parts, mask=pm, other=V)
+    x_min = tl.min(x_mins, 1)
+    s1 = tl.sum(s1s, 1)
+    s2 = tl.sum(s2s, 1)
     arg = tl.min(tl.where(ms == m[:, None], args, V), 1).to(tl.int64)  # the first chunk holding the max
-    n_finite = tl.sum(tl.load(part_i_ptr + parts + 1, mask=pm, other=0), 1).to(tl.int64)
-    has_nan = tl.max(tl.load(part_i_ptr + parts + 2, mask=pm, other=0), 1)
+    n_finite = tl.sum(n_finites, 1).to(tl.int64)
+    has_nan = tl.max(nans, 1)
     n = tl.maximum(n_finite, 1).to(tl.float32)
     mean = s1 / n
     std = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
@@ -243,13 +250,11 @@ SEARCH_RUNTIME_ARGS = ["B", "temp_stride", "top_k_stride", "top_p_stride", "min_
 
 @triton.jit
 def _row_setup(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
-    min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, R: tl.constexpr, SPLIT: tl.constexpr,
+    rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    part_f_ptr, part_i_ptr, split, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """What the gather / count pass knows of its R rows: parameters, row stats (launch 1), which filters are on."""
-    rows = tl.program_id(0) * R + tl.arange(0, R)
+    """What the gather / count pass knows of its rows: parameters, row stats (launch 1), which filters are on."""
     row_ok = rows < B
-    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
     top_k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0).to(tl.int64)
     top_p = tl.load(top_p_ptr + rows * top_p_stride, mask=row_ok, other=1.0).to(tl.float32)
@@ -271,8 +276,8 @@ def _row_setup(
     top_k = tl.where(k_on, top_k, 0)
     top_p = tl.where(p_on, top_p, 1.0)
     min_p = tl.where(mp_on, min_p, 0.0)
-    return (rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on,
-            mp_on, filtered, unfiltered)  # fmt: skip
+    return (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
+            unfiltered)  # fmt: skip
 
 
 @triton.jit
@@ -449,12 +454,16 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     j = tl.arange(0, NT)
     pm = last[:, None] & (sp < split)[None, :]
     parts = (rows[:, None] * split + sp[None, :]) * SW  # [R, SPLIT]
-    n_list = tl.load(counter_ptr + C_COUNT_LIST * B + rows, mask=last, other=0, volatile=True)
-    mass_spec = tl.sum(tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0, volatile=True), 1)
     pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
     parts3 = parts[:, :, None] + j[None, None, :]  # [R, SPLIT, NT]
-    cnt = tl.sum(tl.load(search_i_ptr + parts3, mask=pm3, other=0, volatile=True), 1)  # [R, NT]
-    mass = tl.sum(tl.load(search_f_ptr + parts3, mask=pm3, other=0.0, volatile=True), 1)
+    # the loads before the reductions (barriers): one L2 round trip, not four
+    n_list = tl.load(counter_ptr + C_COUNT_LIST * B + rows, mask=last, other=0, volatile=True)
+    mass_specs = tl.load(search_f_ptr + parts + NT, mask=pm, other=0.0, volatile=True)
+    cnts = tl.load(search_i_ptr + parts3, mask=pm3, other=0, volatile=True)
+    masses = tl.load(search_f_ptr + parts3, mask=pm3, other=0.0, volatile=True)
+    mass_spec = tl.sum(mass_specs, 1)
+    cnt = tl.sum(cnts, 1)  # [R, NT]
+    mass = tl.sum(masses, 1)
     spec_ok = tl.where(
         k_on, n_list >= top_k, (p_on & (mass_spec >= top_p * total)) | (mp_on & (tl.exp2((spec - m) * c) < min_p))
     )
@@ -496,12 +505,17 @@ def _gather_count_kernel(
     holds the cut, writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN
     for the rows still open)."""
     allow_dependents(PDL)
-    wait_for_producers(PDL)
-    (rows, row_ok, base, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on,
-     filtered, unfiltered) = _row_setup(logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride,
-                                        top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr,
-                                        split, R, SPLIT)  # fmt: skip
     chunk = tl.program_id(1)
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    wait_for_producers(PDL)
+    # the first block's load goes out with the row stats' loads (after the wait: launch 1's own wait is what
+    # orders the logits' writer before us), so its round trip overlaps the setup's
+    x_first = _load_block(base, start, end, rows < B, BLOCK)
+    (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
+     unfiltered) = _row_setup(rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
+                              min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
     spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                   mp_on, filtered, CAP)  # fmt: skip
     thr = _count_thresholds(
@@ -518,9 +532,8 @@ def _gather_count_kernel(
     mass_spec = tl.zeros((R, BLOCK), tl.float32)
     SW: tl.constexpr = NT + 1
     sbase = (rows * split + chunk) * SW  # this chunk's partials
-    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, end, start)  # else no pass
-    x_next = _load_block(base, start, stop, filtered, BLOCK)  # active rows have no NaN
+    x_next = tl.where(filtered[:, None], x_first, float("-inf"))  # active rows have no NaN
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
         take = (x >= spec[:, None]) & msk
@@ -540,13 +553,13 @@ def _gather_count_kernel(
     arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
     last = row_ok & (arrived == split - 1)  # the row's last program to arrive decides for it
     if tl.max(last.to(tl.int32)) > 0:
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)  # with the partials' loads
+        step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
         n_list, listed, regather, s, radix, lo, hi = _count_outcome(
             search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
             top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
         )  # fmt: skip
         if tl.max(listed.to(tl.int32)) > 0:
-            seed = tl.load(seed_ptr + rows * seed_stride, mask=listed, other=0).to(tl.int64)
-            step = tl.load(step_ptr + rows * step_stride, mask=listed, other=0).to(tl.int64)
             drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
                                       min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
             token = tl.where(listed, drawn, token)
