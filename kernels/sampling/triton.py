@@ -859,7 +859,7 @@ def rounds_per_phase(bins: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -868,8 +868,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per round, a power of 2; default on
     the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
     rows to the regather and the radix rounds and set split on the CPU.
-    rounds (default: the bound, 2 * rounds_per_phase(bins)) and state (an int64 [B, N_STATE] tensor that
-    receives the rows' state: phase, cut, rounds per phase) are test hooks."""
+    rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
+    the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
+    per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -932,7 +933,11 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
     # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
     blocks = triton.cdiv(B, rows)
-    persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+    if persistent is None:
+        persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+    else:  # the interpreter runs a program to its end before the next: a wait for a sibling would never end
+        assert logits.is_cuda or split == 1 or not persistent, "waiting inside on the CPU needs split = 1"
+        split_r = split
     chunk_r = triton.cdiv(triton.cdiv(V, split_r), block)
     for first in range(0, steps, steps if persistent else 1):
         _resolve_kernel[(blocks, split_r)](

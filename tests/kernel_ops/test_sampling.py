@@ -485,6 +485,25 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     assert (short == naive.INVALID_TOKEN).any()
 
 
+@pytest.mark.parametrize("bins", [2, 16])
+def test_waiting_launch_matches_a_launch_per_step(bins):
+    # launch 3 as one launch that loops over its steps (the GPU's path up to B = 16) against one launch per step:
+    # the same tokens and states on rows that take the regather, the rounds of both phases and the race. One
+    # program per row (split = 1): the interpreter runs a program to its end, so no program may wait for another.
+    V, B = 96, 4
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, V, generator=g) * torch.logspace(-30, 1, V)[torch.randperm(V, generator=g)]
+    logits[1, 2:] = logits[1, 2:].round()  # exact ties at the cut
+    modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.3), (5, 1.0, 0.0)]
+    knobs = {"cap": 4, "block": 32, "split": 1, "bins": bins}
+    runs = [run_with_state(logits, 1e37, modes, **knobs, persistent=p) for p in (False, True)]
+    (out_a, state_a), (out_b, state_b) = (r[:2] for r in runs)
+    assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b)
+    paths = set(state_a[:, fused.S_PATH.value].tolist())
+    assert fused.PATH_RADIX.value in paths  # the loop ran rounds, not only the first step
+    assert check_radix_rows(*runs[1], bins=bins, exact=False) > 0
+
+
 @pytest.mark.parametrize(
     "blocks, split, sms, plan",
     [
