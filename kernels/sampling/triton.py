@@ -828,8 +828,9 @@ def _resolve_kernel(
             # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
             phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
             s += 1
-    else:  # one step, without the loop: 124 registers at 4 bins against 228 (sm_90 AOT), so idle programs of a
-        # large batch (this path) run more per SM
+    elif tl.max((phase != PHASE_NONE).to(tl.int32)) > 0:  # one step, without the loop: 124 registers at 4 bins
+        # against 228 (sm_90 AOT), so more idle programs of a large batch (this path) run per SM; the test above
+        # lets them exit next to the phase load (sm_90: one predicated EXIT) instead of after three branches
         _resolve_step(base, rows, phase, first_step, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
                       step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr,
                       race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP, LOG_CAP, SPLIT)  # fmt: skip
