@@ -841,7 +841,7 @@ def resolve_plan(blocks: int, split: int, sms: int) -> tuple[bool, int]:
     the CPU interpreter): waiting needs the whole grid resident, one program per SM, with >= MIN_SPLIT_R programs
     per row (or all `split` of them)."""
     split_r = min(split, sms // blocks)
-    if split_r >= min(split, MIN_SPLIT_R) and split_r > 0:
+    if split_r >= min(split, MIN_SPLIT_R):  # split >= 1: never 0 programs
         return True, split_r
     return False, split
 
@@ -915,7 +915,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
     steps = rounds + 1  # the rounds, then the race
     counters = torch.empty(N_COUNTERS.value + steps, B, dtype=torch.int32, device=device)  # zeroed by launch 1
-    grid = (triton.cdiv(B, rows), split)
+    blocks = triton.cdiv(B, rows)
+    grid = (blocks, split)
     on = pdl(logits)
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
     SPLIT = triton.next_power_of_2(split)
@@ -933,18 +934,18 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
     # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
     # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
-    blocks = triton.cdiv(B, rows)
     if persistent is None:
         persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
     else:  # the interpreter runs a program to its end before the next: a wait for a sibling would never end
         assert logits.is_cuda or split == 1 or not persistent, "waiting inside on the CPU needs split = 1"
         split_r = split
     chunk_r = triton.cdiv(triton.cdiv(V, split_r), block)
-    for first in range(0, steps, steps if persistent else 1):
+    per_launch = steps if persistent else 1
+    for first in range(0, steps, per_launch):
         _resolve_kernel[(blocks, split_r)](
             logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
-            buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split_r, chunk_r, first,
-            steps if persistent else 1, R=rows, BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap,
+            buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split_r, chunk_r, first, per_launch,
+            R=rows, BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap,
             SPLIT=triton.next_power_of_2(split_r), PERSISTENT=persistent, **opts,
         )  # fmt: skip
     return out
