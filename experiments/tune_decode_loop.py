@@ -45,11 +45,20 @@ from qmoe.runtime.generate import sampling_tensors
 from qmoe.settings import validate
 
 PROMPT_POS = 128
-# M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages); the table's entry is always measured first
+# M = 1 GEMV candidates (BLOCK_N, BLOCK_K, num_warps, num_stages[, PERSISTENT programs per SM]); the table's entry
+# is always measured first
+PERSISTENT_CANDIDATES = {
+    2048: [(1, 2048, 4, 1, 8), (2, 2048, 4, 1, 4), (2, 2048, 4, 1, 6), (4, 2048, 4, 1, 2), (4, 2048, 4, 1, 3),
+           (4, 2048, 4, 1, 4), (8, 2048, 8, 1, 2), (2, 2048, 2, 1, 8)],
+    4096: [(1, 4096, 4, 1, 4), (1, 4096, 4, 1, 6), (2, 4096, 4, 1, 2), (2, 4096, 4, 1, 3), (2, 4096, 4, 1, 4),
+           (4, 4096, 8, 1, 2), (1, 4096, 2, 1, 8)],
+}  # fmt: skip
 GEMV_CANDIDATES = {
-    2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2)],
-    4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2)],
-}
+    2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2),
+           *PERSISTENT_CANDIDATES[2048]],
+    4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2),
+           *PERSISTENT_CANDIDATES[4096]],
+}  # fmt: skip
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
                      (8, 2048, 8, 1), (4, 512, 4, 2)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
@@ -186,7 +195,8 @@ def step_ms(model, replays: int) -> float:
 
 
 def gemv_config(c) -> dict:
-    return dict(BLOCK_M=1, BLOCK_N=c[0], BLOCK_K=c[1], SPLIT_K=1, num_warps=c[2], num_stages=c[3])
+    persistent = {linear_triton.PERSISTENT_KEY: c[4]} if len(c) > 4 else {}
+    return dict(BLOCK_M=1, BLOCK_N=c[0], BLOCK_K=c[1], SPLIT_K=1, num_warps=c[2], num_stages=c[3], **persistent)
 
 
 def moe_part(c) -> dict:

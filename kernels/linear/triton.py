@@ -58,6 +58,8 @@ MAX_M = 64  # rows up to which the Triton kernel runs; F.linear (cuBLAS) above
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+# optional: programs per SM of the persistent GEMV (_gemv_persistent_kernel; M = 1, BLOCK_K >= K, dense weights)
+PERSISTENT_KEY = "PERSISTENT"
 REDUCE_BLOCK = 1024
 # columns per step of the fused norm's row statistics: its own step, not BLOCK_K, so a narrow projection step
 # (128 fp8 columns: 16 steps at K = 2048) does not make the statistics a chain of L2 round trips
@@ -124,8 +126,10 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict
 
 def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
     """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
-    if sorted(config) != sorted(CONFIG_KEYS):
-        raise ValueError(f"linear config needs exactly the keys {CONFIG_KEYS}, got {sorted(config)}")
+    if sorted(k for k in config if k != PERSISTENT_KEY) != sorted(CONFIG_KEYS):
+        raise ValueError(
+            f"linear config needs exactly the keys {CONFIG_KEYS} (and {PERSISTENT_KEY}), got {sorted(config)}"
+        )
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, bk)):
         raise ValueError(f"linear config: BLOCK_M, BLOCK_N, BLOCK_K must be powers of two, got {config}")
@@ -135,6 +139,13 @@ def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
         raise ValueError(f"linear config: SPLIT_K must be >= 1, got {config}")
     if fp8 and bm != 1 and bk > SCALE_BLOCK_K:  # the GEMV splits its steps into 128-column sub-steps
         raise ValueError(f"linear config: fp8 on the dot path needs BLOCK_K <= {SCALE_BLOCK_K}: {config}")
+    persistent = config.get(PERSISTENT_KEY, 0)
+    if not isinstance(persistent, int) or persistent < 0:
+        raise ValueError(f"linear config: {PERSISTENT_KEY} is a number of programs per SM (>= 0), got {config}")
+    if persistent and (bm != 1 or config["SPLIT_K"] != 1 or fp8):
+        raise ValueError(
+            f"linear config: {PERSISTENT_KEY} runs the dense GEMV (BLOCK_M = 1, SPLIT_K = 1), got {config}"
+        )
     if fp8_x and (not fp8 or bm == 1 or bk != SCALE_BLOCK_K):
         raise ValueError(
             f"linear config: FP8 x FP8 (fp8 activations) needs an fp8 weight and the dot path with BLOCK_K = "
@@ -142,13 +153,26 @@ def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
         )
 
 
-def make_plan(M: int, N: int, K: int, config: dict, fp8: bool = False, fp8_x: bool = False) -> tuple:
+def make_plan(
+    M: int, N: int, K: int, config: dict, fp8: bool = False, fp8_x: bool = False, num_sms: int = 8
+) -> tuple:  # fmt: skip
     """Everything a launch needs that depends only on the shape -> (grid, split, k_per_split, kernel kwargs).
     The split is spread over whole BLOCK_K blocks and empty splits are dropped (K = 3 blocks, SPLIT_K = 2 ->
     splits of 2 and 1 blocks; K = 6 blocks, SPLIT_K = 4 -> 3 splits of 2), so only the last block of K is short.
-    fp8_x: FP8 x FP8, x fp8 with per-(row, 128-group) scales (fp8 weights, BLOCK_K = 128)."""
+    fp8_x: FP8 x FP8, x fp8 with per-(row, 128-group) scales (fp8 weights, BLOCK_K = 128).
+    A PERSISTENT config: min(row blocks, PERSISTENT * num_sms) programs of _gemv_persistent_kernel (its kwargs
+    carry BLOCK_M=1 and PERSISTENT=True, which linear_into takes off before the launch)."""
     check_config(config, fp8, fp8_x)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config.get(PERSISTENT_KEY):
+        if M != 1 or bk < K:
+            raise ValueError(
+                f"linear config: {PERSISTENT_KEY} needs M = 1 and BLOCK_K >= K = {K}, got M = {M}, {config}"
+            )
+        grid = (min(triton.cdiv(N, bn), config[PERSISTENT_KEY] * num_sms),)
+        meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True,
+                    num_warps=config["num_warps"], num_stages=config["num_stages"])  # fmt: skip
+        return grid, 1, K, meta
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
     split = triton.cdiv(k_blocks, blocks_per_split)
@@ -170,9 +194,14 @@ def cached_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     key = (N, K, dtype, M)
     plan = _PLANS.get(key)
     if plan is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms), fp8=dtype == FP8)
+        num_sms = sm_count(device)
+        plan = _PLANS[key] = make_plan(M, N, K, get_config(M, N, K, dtype, num_sms), dtype == FP8, num_sms=num_sms)
     return plan
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (8 for the CPU interpreter): what a persistent grid and the default configs size for."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def fp8_prefill_plan(M: int, N: int, K: int) -> tuple:
@@ -430,6 +459,59 @@ def _linear_kernel(
         tl.store(out_ptr + offs_out, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row_block(w_ptr, block, n_blocks, N, stride_wn, offs_k, K, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight rows of row block `block` as one [BLOCK_N, BLOCK_K] tile (the whole row: BLOCK_K >= K); all
+    zero, with no memory traffic, for a block >= n_blocks. Rows past N re-read row N - 1 (unmasked along K, the
+    loads keep their 16-byte vectors); the store drops them."""
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = w_ptr + (tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None] + offs_k[None, :]
+    live = (offs_n < n_blocks * BLOCK_N)[:, None]  # [BLOCK_N, 1]: constant along K, so the vectors stay 16 bytes
+    if EVEN_K:
+        return tl.load(ptrs, mask=live, other=0.0)
+    return tl.load(ptrs, mask=live & (offs_k < K)[None, :], other=0.0)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["N"])
+def _gemv_persistent_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, stride_wn, res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out [N] = x [1, K] @ w^T, M = 1, by a few programs per SM: program p computes row blocks p, p + P, p + 2P, ...
+    (P programs), each one [BLOCK_N, BLOCK_K >= K] tile. x (with NORM: rms_norm(x + residual) * (1 + nw), written
+    with the new residual by program 0) is read and normalised once per program and stays in registers, and block
+    b + P's weights load before block b's products: no weight load waits for x, and the first two blocks' loads
+    are in flight while the program waits for its producer and reads x. (The one-block-per-program kernel reads
+    and normalises x in every program, BLOCK_N rows at a time, and issues its second K step after the first
+    one's products.)"""
+    allow_dependents(PDL)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w = _row_block(w_ptr, pid, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)  # the grid has <= n_blocks
+    w_next = _row_block(w_ptr, pid + step, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)
+    wait_for_producers(PDL)
+    row = tl.zeros((1,), tl.int64)
+    row_mask = row == 0
+    if NORM:
+        h, nw = _norm_inputs(x_ptr, res_ptr, nw_ptr, row, row_mask, offs_k, K, K, stride_rm)  # [1, BLOCK_K]
+        hf = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)  # [1]
+        x = _normed(h, nw, normed_ptr, hidden_ptr, row, row_mask, offs_k, K, rstd, pid == 0)
+    else:
+        x = tl.load(x_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    x = x.to(tl.float32)  # [1, BLOCK_K]
+    for block in range(pid, n_blocks, step):
+        w_after = _row_block(w_ptr, block + 2 * step, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)
+        out = tl.sum(w.to(tl.float32) * x, axis=1)  # [BLOCK_N]
+        offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        w = w_next
+        w_next = w_after
+
+
 @fast_launch
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -487,7 +569,9 @@ def linear_into(
     if fp8_x and fp8 and config is None:
         grid, split, k_per_split, meta = fp8_prefill_plan(M, N, K)
     elif config is not None or fp8_x:  # make_plan checks the config (and refuses FP8 x FP8 without fp8 weights)
-        grid, split, k_per_split, meta = make_plan(M, N, K, config or FP8_PREFILL_CONFIG, fp8, fp8_x)
+        grid, split, k_per_split, meta = make_plan(
+            M, N, K, config or FP8_PREFILL_CONFIG, fp8, fp8_x, num_sms=sm_count(x.device)
+        )  # fmt: skip
     else:
         grid, split, k_per_split, meta = cached_plan(M, N, K, weight.dtype if fp8 else x.dtype, x.device)
     if quantize_x and x_scale is not None:
@@ -510,6 +594,13 @@ def linear_into(
         residual, norm_weight, eps, normed, hidden = norm
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
     on = pdl(x)
+    if meta.get("PERSISTENT"):
+        meta = {k: v for k, v in meta.items() if k not in ("BLOCK_M", "PERSISTENT")}
+        _gemv_persistent_kernel[grid](
+            x, weight, out, N, K, weight.stride(0), residual, norm_weight, normed, hidden, residual.stride(0), eps,
+            NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
+        )  # fmt: skip
+        return out
     if split > 1 and workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](

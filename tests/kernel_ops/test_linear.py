@@ -54,6 +54,56 @@ def test_linear_into(M, N, K, cfg, reason, dtype):
     assert rel_err(out, reference(x, w)) < TOL[dtype], reason
 
 
+def persistent(BLOCK_N, BLOCK_K, programs_per_sm):
+    return {**config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
+
+
+# (N, K, config, reason); the interpreter's grid is programs_per_sm * 8 "SMs" (lin.sm_count on the CPU)
+PERSISTENT_CASES = [
+    (100, 64, persistent(4, 64, 1), "25 row blocks over 8 programs: program 0 takes 4, the others 3"),
+    (37, 53, persistent(4, 64, 1), "primes: N tail (37 = 9 * 4 + 1), K = 53 under a 64-wide tile"),
+    (12, 32, persistent(4, 32, 2), "fewer blocks (3) than 16 programs: the grid shrinks to 3, no prefetch used"),
+    (67, 40, persistent(1, 64, 1), "one row per block, 67 blocks over 8 programs: every prefetch distance used"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N,K,cfg,reason", PERSISTENT_CASES, ids=[c[-1].split(":")[0] for c in PERSISTENT_CASES])
+def test_persistent_gemv(N, K, cfg, reason, dtype):
+    """The persistent GEMV (row blocks strided over the programs, two blocks prefetched) writes every row block:
+    output NaN-poisoned; with the fused add + RMSNorm, normed and hidden too (written by program 0 alone)."""
+    grid, *_ = lin.make_plan(1, N, K, cfg)
+    assert grid[0] == min(-(-N // cfg["BLOCK_N"]), 8 * cfg["PERSISTENT"]), reason
+    x, w = make(1, N, K, dtype, seed=N + K)
+    out = poisoned(1, N, dtype=dtype)
+    lin.linear_into(x, w, out, config=cfg)
+    assert rel_err(out, reference(x, w)) < TOL[dtype], reason
+    x, residual, nw = norm_inputs(1, K, dtype, seed=K)
+    out, normed, hidden = poisoned(1, N, dtype=dtype), poisoned(1, K, dtype=dtype), poisoned(1, K, dtype=dtype)
+    lin.linear_into(x, w, out, config=cfg, norm=(residual, nw, 1e-6, normed, hidden))
+    ref_out, ref_normed, _ = norm_reference(x, residual, nw, w)
+    assert rel_err(out, ref_out) < TOL[dtype], reason
+    assert rel_err(normed, ref_normed) < TOL[dtype], reason
+    assert torch.equal(hidden, x + residual), reason
+
+
+def test_persistent_gemv_bad_configs():
+    """What the persistent GEMV cannot run is refused by name: a row that does not fit one tile, M > 1, split-K,
+    fp8 weights, the dot path, a negative count."""
+    with pytest.raises(ValueError, match="BLOCK_K >= K"):
+        lin.make_plan(1, 8, 100, persistent(4, 64, 1))
+    with pytest.raises(ValueError, match="M = 1"):
+        lin.make_plan(2, 8, 64, persistent(4, 64, 1))
+    with pytest.raises(ValueError, match="dense GEMV"):
+        lin.make_plan(1, 8, 64, {**persistent(4, 64, 1), "SPLIT_K": 2})
+    with pytest.raises(ValueError, match="dense GEMV"):
+        lin.make_plan(1, 8, 64, persistent(4, 64, 1), fp8=True)
+    with pytest.raises(ValueError, match="dense GEMV"):
+        lin.make_plan(1, 8, 64, {**config(16, 16, 64), "PERSISTENT": 1})
+    with pytest.raises(ValueError, match="programs per SM"):
+        lin.make_plan(1, 8, 64, persistent(4, 64, -1))
+
+
 @pytest.mark.parametrize("M,K,SPLIT_K,splits", [(1, 48, 4, 3), (1, 96, 4, 3), (1, 100, 2, 2), (1, 16, 5, 1)])
 def test_split_plan(M, K, SPLIT_K, splits):
     """Splits cover whole BLOCK_K blocks and none is empty: 3 blocks / 4 -> 3; 6 / 4 -> 3 (of 2); 7 / 2 -> 2."""
@@ -284,3 +334,35 @@ def test_add_rms_norm_linear_35b_gpu(shape, M):
     assert all(
         torch.equal(a, b) for a, b in zip((out, normed, hidden), lin.add_rms_norm_linear(x, residual, nw, 1e-6, w))
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "add+rmsnorm"])
+@pytest.mark.parametrize(
+    "shape,cfg",
+    [("gdn_in", persistent(4, 2048, 3)), ("gdn_out", persistent(2, 4096, 3)), ("lm_head", persistent(2, 2048, 4)),
+     ("moe_in", persistent(8, 2048, 2))],
+    ids=["gdn_in", "gdn_out", "lm_head", "moe_in 1281 rows: a short last block"],
+)  # fmt: skip
+def test_persistent_gemv_35b_gpu(shape, cfg, norm):
+    """The persistent GEMV in bf16 at 35B shapes, forced whatever the table holds: as accurate as cuBLAS (vs
+    fp64), normed within the norm kernel's error, bit-identical when replayed in a CUDA graph (PDL on)."""
+    N, K = SHAPES_35B[shape]
+    x, residual, nw = norm_inputs(1, K, torch.bfloat16, device="cuda")
+    w = make(1, N, K, torch.bfloat16, device="cuda")[1]
+    normed, hidden = torch.empty_like(x), torch.empty_like(x)
+    args = dict(config=cfg, norm=(residual, nw, 1e-6, normed, hidden) if norm else None)
+    run = lambda: lin.linear_into(x, w, torch.empty(1, N, dtype=x.dtype, device="cuda"), **args)
+    graph, static_out = captured(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    if norm:
+        ref = norm_reference(x, residual, nw, w)
+        torch_out, torch_normed, _ = naive.add_rms_norm_linear(x, residual, nw, 1e-6, w)
+        assert rel_err(normed, ref[1]) <= 1.1 * rel_err(torch_normed, ref[1]) + 1e-4
+        assert torch.equal(hidden, x + residual)
+        ref = ref[0]
+    else:
+        ref, torch_out = reference(x, w), naive.linear(x, w)
+    assert rel_err(static_out, ref) <= 1.1 * rel_err(torch_out, ref) + 1e-4
+    assert torch.equal(static_out, run())
