@@ -57,7 +57,9 @@ def main():
             times[name].append(replay_ms(capture_step(model), args.replays))
             print(f"  {name:<12} {times[name][-1]:.4f} ms", flush=True)
     model.ops = current
-    rows = {n: dict(step_ms=ts, median_ms=statistics.median(ts), spread_ms=max(ts) - min(ts)) for n, ts in times.items()}
+    rows = {
+        n: dict(step_ms=ts, median_ms=statistics.median(ts), spread_ms=max(ts) - min(ts)) for n, ts in times.items()
+    }
     write_json(args.out, "ab_decode_step", "cuda", ceilings=ceil, floor_ms=floor_ms, weights=args.weights,
                variants={n: {g: getattr(m, "__file__", None) for g, m in groups.items()} for n, groups in
                          variants.items()}, rows=rows, seconds=time.time() - t0)  # fmt: skip
