@@ -36,23 +36,33 @@ KIND_NAMES = {  # tune_decode_loop.PROJECTIONS -> the kind this table names
 }
 
 
+GEMV_KERNELS = ("_linear_kernel", "_gemv_persistent_kernel")
+
+
 def projection_kinds(model) -> dict:
-    """Grid size of the M = 1 GEMV -> (kind, weight bytes) for the step's projection shapes."""
-    kinds = {}
+    """(GEMV kernel, grid size) -> {kind: weight bytes} for the step's projection shapes. Two shapes can share a
+    launch (the DeltaNet and attention in-projections on the persistent GEMV's grid of programs per SM)."""
+    kinds = defaultdict(dict)
     for what, weight in projection_weights(model).items():
         N, K = weight.shape
-        grid = linear_triton.cached_plan(1, N, K, model.dtype, model.device)[0][0]
-        assert grid not in kinds, f"two projection shapes share the grid {grid}: {kinds[grid]}, {what}"
-        kinds[grid] = (KIND_NAMES[what], weight.numel() * weight.element_size())
+        grid, _, _, meta = linear_triton.cached_plan(1, N, K, model.dtype, model.device)
+        kernel = GEMV_KERNELS[1] if meta.get("PERSISTENT") else GEMV_KERNELS[0]
+        kinds[(kernel, grid[0])][KIND_NAMES[what]] = weight.numel() * weight.element_size()
     return kinds
 
 
-def kind_of(event: dict, previous: str, projections: dict, model) -> tuple[str, int]:
-    """A kernel event -> (kind, bytes its weights / states must move from HBM; 0 where latency, not bytes, rules)."""
+def kind_of(event: dict, previous: str, attention_layer: bool, projections: dict, model) -> tuple[str, int]:
+    """A kernel event -> (kind, bytes its weights / states must move from HBM; 0 where latency, not bytes, rules).
+    attention_layer: the event's layer has full attention (names a GEMV that two shapes share)."""
     name, grid = event["name"], tuple(event["args"].get("grid", (0, 0, 0)))
     c, item = model.config, model.dtype.itemsize
-    if name.startswith("_linear_kernel") and grid[0] in projections:
-        kind, nbytes = projections[grid[0]]
+    kernel = next((k for k in GEMV_KERNELS if name.startswith(k)), None)
+    if kernel and (kernel, grid[0]) in projections:
+        kinds = projections[(kernel, grid[0])]
+        if len(kinds) > 1:  # shared by both mixers' in-projections
+            mixer = "attention" if attention_layer else "gdn"
+            kinds = {k: v for k, v in kinds.items() if k.startswith(mixer)}
+        (kind, nbytes), *_ = kinds.items()
         if kind.startswith("out_proj"):  # the same shape after both mixers
             kind = "o_proj (after attention)" if previous.startswith("attention") else "out_proj (after DeltaNet)"
         return kind, nbytes
@@ -128,12 +138,14 @@ def timeline(model, replays: int, ceil: dict) -> dict:
     timed = timed[2:]  # the first replays warm the profiler
     projections = projection_kinds(model)
     spans, per_kind, one_replay = [], defaultdict(lambda: defaultdict(list)), []
+    attention = [t == "full_attention" for t in model.config.layer_types] + [False]  # past the last: lm_head
     for kernels in timed:
         start0 = kernels[0]["ts"]
-        latest_end, previous = start0, ""
+        latest_end, previous, layer = start0, "", 0
         for e in kernels:
             end = e["ts"] + e["dur"]
-            kind, nbytes = kind_of(e, previous, projections, model)
+            kind, nbytes = kind_of(e, previous, attention[layer], projections, model)
+            layer += kind.startswith("moe down")  # a layer ends with its MoE down kernel
             if kernels is timed[len(timed) // 2]:  # one replay kernel by kernel, times from its first start
                 grid = e["args"].get("grid")
                 one_replay.append(dict(kind=kind, grid=grid, start=e["ts"] - start0, dur=e["dur"]))

@@ -60,7 +60,8 @@ GEMV_CANDIDATES = {
            *PERSISTENT_CANDIDATES[4096]],
 }  # fmt: skip
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
-                     (8, 2048, 8, 1), (4, 512, 4, 2)]  # fmt: skip
+                     (8, 2048, 8, 1), (4, 512, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3), (8, 256, 4, 3),
+                     (32, 256, 8, 2)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
 # FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
@@ -244,6 +245,8 @@ def main():
     parser.add_argument("--write-tables", action="store_true")
     parser.add_argument("--skip-descent", action="store_true")
     parser.add_argument("--step-only", action="store_true", help="time the whole step only (no parts, no descent)")
+    entries = [*PROJECTIONS, "moe_up", "moe_down", "attention", "gdn"]
+    parser.add_argument("--only", nargs="+", choices=entries, default=entries, help="descend over these entries only")
     fp8_help = "fp8: the FP8 model's step; the descent then covers its FP8 projections and experts"
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help=fp8_help)
     args = parser.parse_args()
@@ -282,7 +285,7 @@ def main():
     rows, chosen = [], {"linear": {}, "moe": {}}
     for what, weight in projection_weights(model).items():
         (N, K), dtype = weight.shape, weight.dtype
-        if fp8_run != (dtype == torch.float8_e4m3fn):
+        if fp8_run != (dtype == torch.float8_e4m3fn) or what not in args.only:
             continue
         key = linear_triton.shape_key(N, K, dtype)
         current = linear_triton.get_config(1, N, K, dtype, 132)
@@ -297,14 +300,19 @@ def main():
     up_list, down_list = (
         (FP8_MOE_UP_CANDIDATES, FP8_MOE_DOWN_CANDIDATES) if fp8_run else (MOE_UP_CANDIDATES, MOE_DOWN_CANDIDATES)
     )
-    up_cfgs = [{**current, "up": moe_part(c)} for c in up_list]
-    best = descend(model, args.replays, rows, "moe_up", key, current, up_cfgs, set_moe)
-    down_cfgs = [{**best, "down": moe_part(c)} for c in down_list]
-    best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
+    best = current
+    if "moe_up" in args.only:
+        up_cfgs = [{**current, "up": moe_part(c)} for c in up_list]
+        best = descend(model, args.replays, rows, "moe_up", key, current, up_cfgs, set_moe)
+    if "moe_down" in args.only:
+        down_cfgs = [{**best, "down": moe_part(c)} for c in down_list]
+        best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
     chosen["moe"][key] = best
     mixers = () if fp8_run else (("attention", attention_triton, ATTENTION_CANDIDATES),
                                  ("gdn", fused_recurrent, GDN_CANDIDATES))  # fmt: skip
     for what, module, candidates in mixers:
+        if what not in args.only:
+            continue
         chosen[what] = descend(model, args.replays, rows, what, what, {}, candidates,
                                lambda _, options, m=module: set_options(m, options))  # fmt: skip
         out.update(descent=rows, chosen=chosen)

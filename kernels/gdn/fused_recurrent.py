@@ -2,8 +2,9 @@
 fp32 delta-rule state update (state read once, written once), output and gated RMSNorm * silu(z).
 
 Programs (batch row, value head, value split): each owns a [dk, dv / SV] column block of the head's fp32 state
-(the delta rule updates the state's value columns independently), so a batch-1 step of the 35B-A3B runs 32 * 4
-programs instead of 32 (one program pulls only so many bytes per microsecond). The gated RMSNorm needs the whole
+(the delta rule updates the state's value columns independently). Splits are added only for grids of fewer than
+MIN_DECODE_PROGRAMS programs (a batch-1 step of the 35B-A3B runs its 32 value heads unsplit: measured faster in
+the step than 4 splits over the SMs, see value_splits). The gated RMSNorm needs the whole
 value-head row: with SV > 1 each program stores its slice of o (rounded to the activation dtype, as the reference
 rounds it) into `out` and its sum of squares into a scratch, then arrives on the (row, value head) counter; the
 last of the SV to arrive adds the SV sums in split order, normalises the row in place, gates it with silu(z) and
@@ -183,13 +184,21 @@ reader_counters = ArrivalCounters()
 norm_arrivals = ArrivalCounters()
 
 
+# Value splits are added only below this many programs. Measured in the 35B decode step (H200, the in-loop descent
+# of experiments/tune_decode_loop.py, results/tune_decode_loop.json at 1c74970): 32 heads x 1 split on 4 warps
+# 2.097 ms against 2.107 for 4 splits (the old rule: splits until the grid covered the 132 SMs) and 2.111 for 2:
+# a split head pays an arrival counter and a second pass for its gated norm, more than the state it shares out.
+MIN_DECODE_PROGRAMS = 32
+# warps per program: 8 only for state tiles larger than a 128 x 128 head (35B: 4 warps 2.097 ms, 8 warps 2.139)
+MAX_TILE_4_WARPS = 128 * 128
+
+
 @functools.cache
-def value_splits(B: int, nv: int, dv: int, device: torch.device) -> int:
-    """Value splits per head: doubled while the grid has fewer programs than SMs and each split keeps >= 32
-    columns (a split's state tile stays a few KiB of 16-byte loads)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+def value_splits(B: int, nv: int, dv: int) -> int:
+    """Value splits per head: doubled while the grid has fewer than MIN_DECODE_PROGRAMS programs and each split
+    keeps >= 32 columns (a split's state tile stays a few KiB of 16-byte loads)."""
     splits = 1
-    while B * nv * splits < sms and triton.next_power_of_2(dv) // (2 * splits) >= 32:
+    while B * nv * splits < MIN_DECODE_PROGRAMS and triton.next_power_of_2(dv) // (2 * splits) >= 32:
         splits *= 2
     return splits
 
@@ -225,7 +234,7 @@ def gated_delta_net_decode(
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and recurrent_state.is_contiguous()
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     device = mixed_qkv.device
-    splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv, device)
+    splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv)
     BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv) // splits
     assert BV >= 1 and BV * splits == triton.next_power_of_2(dv), "splits: a power of two up to the value head dim"
     sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
@@ -236,6 +245,6 @@ def gated_delta_net_decode(
         reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
         NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
-        PDL=on, launch_pdl=on, num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV >= 128 * 64 else 4),
+        PDL=on, launch_pdl=on, num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV > MAX_TILE_4_WARPS else 4),
     )  # fmt: skip
     return out
