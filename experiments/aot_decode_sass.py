@@ -74,13 +74,13 @@ def kernels_35b() -> dict:
             moe._moe_up_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
                  EVEN_K=True, EXPERTS_FP8=False, PDL=True),
-            {"weights_ptr": "*fp32", "ids_ptr": "*i32", "handoff_ptr": "*i32"}, up["num_warps"], up["num_stages"],
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"],
         ),
         "moe down (experts + shared + combine GEMV)": (
             moe._moe_down_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
                  EXPERTS_FP8=False, SHARED_FP8=False, PDL=True),
-            {"weights_ptr": "*fp32", "ids_ptr": "*i32", "handoff_ptr": "*i32"}, down["num_warps"], down["num_stages"],
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"],
         ),
         "attention decode (norm + RoPE, split-K, merge, gate)": (
             attention._decode_kernel,

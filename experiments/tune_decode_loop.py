@@ -59,9 +59,11 @@ GEMV_CANDIDATES = {
     4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2),
            *PERSISTENT_CANDIDATES[4096]],
 }  # fmt: skip
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): at 8 x 512 the up kernel takes 130 registers (sm_90), 3
+# programs per SM, so its 512 programs run in two waves; capped at 128 they fit one
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
-                     (8, 2048, 8, 1), (4, 512, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3), (8, 256, 4, 3),
-                     (32, 256, 8, 2)]  # fmt: skip
+                     (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 1024, 4, 2, 128),
+                     (4, 1024, 4, 2, 128)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
 # FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
@@ -201,7 +203,8 @@ def gemv_config(c) -> dict:
 
 
 def moe_part(c) -> dict:
-    return dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3])
+    cap = {"maxnreg": c[4]} if len(c) > 4 else {}  # a launch option: registers per thread
+    return dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3], **cap)
 
 
 def set_gemv(key: str, cfg: dict) -> None:

@@ -1,5 +1,4 @@
-"""Persistent int32 buffers through which programs coordinate: the arrival counters of the kernels whose last
-program to arrive finishes the work (no program ever waits), and the records one kernel publishes for the next."""
+"""Arrival counters of the kernels whose last program to arrive finishes the work (no program ever waits)."""
 
 import torch
 
@@ -22,11 +21,3 @@ class ArrivalCounters:
             assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
             buf = self.buffers[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
         return buf
-
-
-class Handoffs(ArrivalCounters):
-    """`handoffs(n, device)` -> int32 [n]: one record per (device, n), zero when made, never freed (as
-    ArrivalCounters, whose second and third invariants hold), written by one kernel for a later one to read early:
-    word 0 a tag naming the writer, the rest its payload. A reader that sees its tag may start work on the payload
-    before its PDL wait but must check that work against the real input after the wait: a record is a hint that
-    can be another call's (the same tag one call earlier, or a record read before it was overwritten)."""

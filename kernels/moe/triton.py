@@ -8,15 +8,7 @@ this call, so each selected expert's weight tile is streamed once.
 Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
   M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
         streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
-        expert in fixed order, summing in registers (no partials, counters or float atomics). The down kernel
-        starts under PDL while the up kernel runs, but its expert rows depend on the routing, which the up kernel
-        writes after its own wait. So up program (0, 0) also publishes the ids in a tagged handoff record
-        (route_handoffs; the tag names the block by its w2) the moment it has them, and each down program, before
-        its wait, polls the record (acquire) and loads its first K step of those experts' rows: they stream while
-        the up kernel finishes. After the wait it reads the real ids with h and reloads the rows if they differ
-        (a record not published in time, or another call's), so the record only decides how early, never what.
-        Down program 0 retires the record after its wait (tag -> -tag), so programs that start later, and the next
-        call of the block, do not take a finished call's ids for a guess.
+        expert in fixed order, summing in registers (no partials, counters or atomics).
   up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
         routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
         with no token exits. Programs (0, e) write e's pair ids and softmax numerators exp(l_e - max l) for the
@@ -65,7 +57,6 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.counters import Handoffs
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
 from kernels.launch import fast_launch
@@ -114,12 +105,6 @@ DEFAULT_CONFIGS = {
     },
 }
 RANK_CHUNK = 16  # tokens ranked per step in the decode up kernel: bounds its [tokens, E] compare tile
-# the M = 1 routing handoff: [tag, ids...] records (invariants: Handoffs), one per (device, record length)
-route_handoffs = Handoffs()
-# acquire polls of the handoff per down program before it gives up and loads after its wait (a poll is an L2 round
-# trip, ~1 us; the record is published a few us after the down kernel starts, so this bound is only reached if
-# the up kernel's program (0, 0) cannot run, which PDL's launch rule excludes)
-HANDOFF_POLLS = tl.constexpr(4096)
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -676,81 +661,57 @@ def _up_gemv_fp8(
 
 
 @triton.jit
-def _down_weights(w2_ptr, s_ptr, ids, rows, top_mask, k0, H, I, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                  EXPERTS_FP8: tl.constexpr):  # fmt: skip
-    """K step k0 of experts `ids` [TOP] (lanes off in top_mask load nothing) at output rows `rows` [N] -> (w [TOP,
-    N, BLOCK_K], zero past I; with EXPERTS_FP8 their scales [TOP, N, BLOCK_K / SUB_K] fp32, else a dummy 1)."""
+def _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K: tl.constexpr):
+    """K step k0 of the down GEMV: the K experts' rows [TOP, N, BLOCK_K] (w_ptrs [TOP, N, 1] at column 0) and their
+    h [TOP, BLOCK_K]; zero past I and in lanes >= TOP_K."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    experts = ids.to(tl.int64)
-    row_ptrs = w2_ptr + (experts * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
-    w = tl.load(row_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & (offs_k < I)[None, None, :],
-                other=0.0)  # fmt: skip
-    scale = 1.0
-    if EXPERTS_FP8:  # one scale per row per 128 columns: the step's blocks, none read past I
-        kb = tl.cdiv(I, 128)
-        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)
-        s_rows = s_ptr + (experts * (H * kb))[:, None, None] + (rows * kb)[None, :, None]  # [TOP, N, 1]
-        s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
-        scale = tl.load(s_rows + blocks[None, None, :], mask=s_mask, other=0.0)
-    return w, scale
+    k_mask = offs_k < I
+    w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+    a = tl.load(h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, a
 
 
 @triton.jit
-def _down_step(acc, w, scale, h_ptr, offs_top, top_mask, k0, I, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-               EXPERTS_FP8: tl.constexpr):  # fmt: skip
-    """acc [TOP, N] + K step k0 of w2[e_k][rows] @ h[k] (_down_weights' tiles; h [TOP, BLOCK_K] is read here).
-    fp8: the step's products summed per SUB_K-column sub-step before that sub-step's [TOP, N] scales."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & (offs_k < I)[None, :],
-                other=0.0).to(tl.float32)  # fmt: skip
-    prod = w.to(tl.float32) * a[:, None, :]  # [TOP, N, BLOCK_K]
-    if EXPERTS_FP8:
-        acc += tl.sum(tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1], BLOCK_K // SUB_K, SUB_K)), 3) * scale, 2)
-    else:
-        acc += tl.sum(prod, 2)
+def _down_gemv_fp8(
+    h_ptr, w_ptrs, w_scales, offs_top, top_mask, I,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+):  # fmt: skip
+    """w2[e_k][rows] @ h[k] for every k over fp8 rows (w_ptrs [TOP, N, 1] at column 0, w_scales [TOP, N] at K
+    block 0) -> [TOP, N] fp32, stepped like _up_gemv_fp8: the [TOP, N, BLOCK_K] tile in one load, its product
+    summed per SUB_K-column sub-step before the sub-step's [TOP, N] scales."""
+    acc = tl.zeros((offs_top.shape[0], BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
+        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past I
+        s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
+        scale = tl.load(w_scales[:, :, None] + blocks[None, None, :], mask=s_mask, other=0.0)  # [TOP, N, K / SUB]
+        prod = w.to(tl.float32) * a.to(tl.float32)[:, None, :]  # [TOP, N, BLOCK_K]
+        prod = tl.reshape(prod, (offs_top.shape[0], BLOCK_N, BLOCK_K // SUB_K, SUB_K))
+        acc += tl.sum(tl.sum(prod, 3) * scale, 2)
     return acc
 
 
-@triton.jit
-def _published_ids(handoff_ptr, tag, offs_top, top_mask):
-    """The expert ids of the handoff record [tag, ids], polled (acquire, at most HANDOFF_POLLS times) until its tag
-    is `tag` (published) or -tag (retired: the up kernel is done, so the caller's wait returns at once) -> [TOP]
-    int32, -1 in every lane unless published."""
-    seen = tl.atomic_add(handoff_ptr, 0, sem="acquire", scope="gpu")
-    polls = 1
-    while (seen != tag) & (seen != -tag) & (polls < HANDOFF_POLLS):
-        seen = tl.atomic_add(handoff_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
-    tl.debug_barrier()  # no thread reads the ids before the acquire
-    published = offs_top * 0 + seen == tag  # [TOP] (the interpreter types a bool scalar & bool tensor as int)
-    return tl.load(handoff_ptr + 1 + offs_top, mask=top_mask & published, other=-1, cache_modifier=".cg")
-
-
 @fast_launch
-@triton.jit(do_not_specialize=["tag"])
+@triton.jit
 def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, handoff_ptr, tag, E, H, I, stride_pe, w13_s_ptr,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
-    reduction after the loop. Every program ranks the E logits itself (no launch for routing); program (0, 0)
-    writes the routing for the down kernel and publishes the ids in the handoff record [tag, ids] (release).
-    EXPERTS_FP8: the loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns)."""
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
+    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns)."""
     allow_dependents(PDL)
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
     k = tl.program_id(1)
     top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
     offs_top = tl.arange(0, BLOCK_TOP)
-    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads, and the ids it may start on early
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
         tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
         tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
-        tl.store(handoff_ptr + 1 + offs_top, top_ids, mask=offs_top < TOP_K)
-        tl.debug_barrier()  # every thread's stores before the release below
-        tl.atomic_xchg(handoff_ptr, tag, sem="release", scope="gpu")
     expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
@@ -765,27 +726,25 @@ def _moe_up_gemv_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I * H) + rows[:, None] + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         x_ptrs = x_ptr + offs_k
-        # Reduced every step into [BLOCK_N] sums: [BLOCK_N, BLOCK_K] fp32 accumulators (one reduction after the
-        # loop) took the kernel to 130 registers at 8 x 512 (sm_90), 3 programs per SM, so the 35B grid of 512
-        # programs ran in two waves.
-        acc_gate = tl.zeros((BLOCK_N,), tl.float32)
-        acc_up = tl.zeros((BLOCK_N,), tl.float32)
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(0, H, BLOCK_K):
             gate, up, x = _up_tiles(gate_ptrs, I * H, x_ptrs, k0 + offs_k < H, EVEN_K)
             x = x.to(tl.float32)[None, :]
-            acc_gate += tl.sum(gate.to(tl.float32) * x, 1)
-            acc_up += tl.sum(up.to(tl.float32) * x, 1)
+            acc_gate += gate.to(tl.float32) * x
+            acc_up += up.to(tl.float32) * x
             gate_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
+        h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["tag"])
+@triton.jit
 def _moe_down_gemv_kernel(
-    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, handoff_ptr, tag, out_ptr, E, H, I, IS,
-    stride_pe, w2_s_ptr, sd_s_ptr,
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    w2_s_ptr, sd_s_ptr,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
     PDL: tl.constexpr,
@@ -793,9 +752,8 @@ def _moe_down_gemv_kernel(
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
-    registers: no partials, no counters, no float atomics, bit-reproducible. Before the wait (under PDL, while the
-    up kernel runs) the shared expert's rows [BLOCK_N, Is] load, and so does the first K step of the experts the
-    handoff record names; after it, that guess is checked against the ids the up kernel wrote."""
+    registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
+    load before the wait (weights: under PDL they stream while the up kernel finishes)."""
     allow_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
@@ -806,22 +764,20 @@ def _moe_down_gemv_kernel(
     if SHARED_FP8:  # column j is in scale block j // 128
         s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
         ws = ws * tl.load(s_cols, mask=s_mask[None, :], other=0.0)
+    wait_for_producers(PDL)
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
-    guess = _published_ids(handoff_ptr, tag, offs_top, top_mask)  # -1: not published
-    w, scale = _down_weights(w2_ptr, w2_s_ptr, guess, rows, guess >= 0, 0, H, I, BLOCK_K, SUB_K, EXPERTS_FP8)
-    wait_for_producers(PDL)
-    if tl.program_id(0) == 0:  # retire the record: a program that polls from now on (not resident before) or a
-        # later call of this block before its up kernel publishes sees -tag and loads after its wait, not a guess
-        tl.atomic_xchg(handoff_ptr, -tag, sem="relaxed", scope="gpu")
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
-    if tl.max(((ids != guess) & top_mask).to(tl.int32), 0) > 0:  # a late or stale record: the real experts' rows
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, rows, top_mask, 0, H, I, BLOCK_K, SUB_K, EXPERTS_FP8)
-    acc = _down_step(tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32), w, scale, h_ptr, offs_top, top_mask, 0, I,
-                     BLOCK_K, SUB_K, EXPERTS_FP8)  # fmt: skip
-    for k0 in range(BLOCK_K, I, BLOCK_K):
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, rows, top_mask, k0, H, I, BLOCK_K, SUB_K, EXPERTS_FP8)
-        acc = _down_step(acc, w, scale, h_ptr, offs_top, top_mask, k0, I, BLOCK_K, SUB_K, EXPERTS_FP8)
+    w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
+    if EXPERTS_FP8:
+        kb_i = tl.cdiv(I, 128)
+        w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
+        acc = _down_gemv_fp8(h_ptr, w_ptrs, w_scales, offs_top, top_mask, I, BLOCK_N, BLOCK_K, SUB_K)
+    else:
+        acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
     # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
     gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
     up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
@@ -830,15 +786,9 @@ def _moe_down_gemv_kernel(
     acc_shared = tl.sum(ws * a_shared[None, :], 1)
     weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
     routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
-    gate_scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
-    out = routed + gate_scale * acc_shared
+    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
+    out = routed + scale * acc_shared
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
-
-
-def handoff_tag(w2: torch.Tensor) -> int:
-    """The handoff record's tag of the MoE block whose experts' down weights are w2: positive, the same for every
-    call of that block, different between blocks (distinct allocations, >= 256 bytes apart)."""
-    return (w2.data_ptr() >> 8) % (2**31 - 1) + 1
 
 
 def moe_block_gemv(
@@ -855,15 +805,14 @@ def moe_block_gemv(
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
-    handoff, tag = route_handoffs(1 + block_top, x.device), handoff_tag(w2)
     _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], handoff, tag, E, H, I, proj.stride(1), w13_s,
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
         TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
         SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
-        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], handoff, tag, scratch["out"], E,
-        H, I, IS, proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
+        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
+        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
         SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on,
         launch_pdl=on, **down,
     )  # fmt: skip
