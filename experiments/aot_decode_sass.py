@@ -58,29 +58,39 @@ def h200_entry(module, key: str) -> dict:
 
 
 def kernels_35b() -> dict:
-    """name -> (kernel, constexprs, pointer types, num_warps, num_stages) at the 35B shapes, H200 configs."""
+    """name -> (kernel, constexprs, pointer types, num_warps, num_stages, maxnreg) at the 35B shapes, H200 configs."""
     gemv = h200_entry(linear, linear.shape_key(1281, 2048, torch.bfloat16))
     _, _, _, meta = linear.make_plan(1, 1281, 2048, gemv)
-    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+    warps, stages, cap = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
     table = h200_entry(moe, moe.shape_key(256, 2048, 512, torch.bfloat16))
     up, down = table["up"], table["down"]
     att = dict(attention._decode_config(8, 256, 4, torch.bfloat16))
     att_warps, att_stages = att.pop("num_warps"), att.pop("num_stages")
-    return {
+    rows = {}
+    for what, (N, K, norm) in {"gdn_in": (12352, 2048, True), "attn_qkv": (9216, 2048, True),
+                               "out_proj": (2048, 4096, False)}.items():  # fmt: skip
+        _, _, _, meta = linear.make_plan(1, N, K, h200_entry(linear, linear.shape_key(N, K, torch.bfloat16)))
+        proj_warps, proj_stages, proj_cap = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
+        kernel = linear._gemv_persistent_kernel if meta.pop("PERSISTENT", False) else linear._linear_kernel
+        meta = {k: v for k, v in meta.items() if k in aot_sm90.fn_of(kernel).arg_names}
+        rows[f"{what} (N {N}, K {K}{', + add, RMSNorm' if norm else ''})"] = (
+            kernel, {**meta, "NORM": norm, "PDL": True}, {"xs_ptr": "*fp32"}, proj_warps, proj_stages, proj_cap,
+        )  # fmt: skip
+    return rows | {
         "moe_in (add + RMSNorm + GEMV, N 1281)": (
-            linear._linear_kernel, {**meta, "NORM": True, "PDL": True}, {"xs_ptr": "*fp32"}, warps, stages,
+            linear._linear_kernel, {**meta, "NORM": True, "PDL": True}, {"xs_ptr": "*fp32"}, warps, stages, cap,
         ),
         "moe up (routing + expert gate/up GEMV)": (
             moe._moe_up_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
                  EVEN_K=True, EXPERTS_FP8=False, PDL=True),
-            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"],
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"], up.get("maxnreg"),
         ),
         "moe down (experts + shared + combine GEMV)": (
             moe._moe_down_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
                  EXPERTS_FP8=False, SHARED_FP8=False, PDL=True),
-            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"],
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"], down.get("maxnreg"),
         ),
         "attention decode (norm + RoPE, split-K, merge, gate)": (
             attention._decode_kernel,
@@ -102,18 +112,18 @@ def compressed(ops: list[str]) -> str:
     return " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs)
 
 
-def report(kernel, constexprs, types, num_warps, num_stages) -> dict:
+def report(kernel, constexprs, types, num_warps, num_stages, maxnreg=None) -> dict:
     names = aot_sm90.fn_of(kernel).arg_names  # constexprs the kernel does not take are dropped (older versions)
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     fn, sig, const, attrs = aot_sm90.spec(kernel, signature(kernel, constexprs, types), constexprs)
     c = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=aot_sm90.TARGET,
-                       options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+                       options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})  # fmt: skip
     regs = aot_sm90.ptxas_report(c.asm["ptx"])
     ops = OPS.findall(aot_sm90.sass_of(c.asm["cubin"]))
     after = ops[ops.index("ACQBULK") + 1 :] if "ACQBULK" in ops else ops
     last_load = max((i for i, o in enumerate(after) if o.startswith("LDG")), default=-1)
     return {
-        "num_warps": num_warps, "num_stages": num_stages, "registers": regs["registers"],
+        "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg, "registers": regs["registers"],
         "spill_bytes": regs["spill_store_bytes"] + regs["spill_load_bytes"], "shared_bytes": c.metadata.shared,
         "loads_before_wait": sum(o.startswith("LDG") for o in ops[: len(ops) - len(after)]),
         "loads_with_the_wait": sum(o.startswith("LDG") for o in after[: next(

@@ -53,17 +53,20 @@ PERSISTENT_CANDIDATES = {
     4096: [(1, 4096, 4, 1, 4), (1, 4096, 4, 1, 6), (2, 4096, 4, 1, 2), (2, 4096, 4, 1, 3), (2, 4096, 4, 1, 4),
            (4, 4096, 8, 1, 2), (1, 4096, 2, 1, 8)],
 }  # fmt: skip
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, 0, maxnreg): the out-projections' table entry (4 x 2048, 4 warps) takes
+# 132 registers (sm_90), 3 programs per SM, so its 512 programs run in two waves; capped at 128 (127, no spill) they
+# fit one (experiments/aot_decode_sass.py)
+CAPPED_CANDIDATES = {4096: [(4, 2048, 4, 1, 0, 128), (8, 2048, 8, 1, 0, 128), (8, 1024, 4, 1, 0, 128)]}
 GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 2),
            *PERSISTENT_CANDIDATES[2048]],
     4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2),
-           *PERSISTENT_CANDIDATES[4096]],
+           *PERSISTENT_CANDIDATES[4096], *CAPPED_CANDIDATES[4096]],
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): at 8 x 512 the up kernel takes 130 registers (sm_90), 3
 # programs per SM, so its 512 programs run in two waves; capped at 128 they fit one
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
-                     (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 1024, 4, 2, 128),
-                     (4, 1024, 4, 2, 128)]  # fmt: skip
+                     (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 512, 4, 1, 128)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
 # FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
@@ -198,8 +201,9 @@ def step_ms(model, replays: int) -> float:
 
 
 def gemv_config(c) -> dict:
-    persistent = {linear_triton.PERSISTENT_KEY: c[4]} if len(c) > 4 else {}
-    return dict(BLOCK_M=1, BLOCK_N=c[0], BLOCK_K=c[1], SPLIT_K=1, num_warps=c[2], num_stages=c[3], **persistent)
+    persistent = {linear_triton.PERSISTENT_KEY: c[4]} if len(c) > 4 and c[4] else {}
+    cap = {linear_triton.MAXNREG_KEY: c[5]} if len(c) > 5 else {}
+    return dict(BLOCK_M=1, BLOCK_N=c[0], BLOCK_K=c[1], SPLIT_K=1, num_warps=c[2], num_stages=c[3], **persistent, **cap)
 
 
 def moe_part(c) -> dict:

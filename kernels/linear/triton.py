@@ -60,6 +60,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # optional: programs per SM of the persistent GEMV (_gemv_persistent_kernel; M = 1, BLOCK_K >= K, dense weights)
 PERSISTENT_KEY = "PERSISTENT"
+# optional: Triton's register cap per thread (a launch option). sm_90 gives 64K registers per SM: at 4 warps a
+# program over 128 registers leaves room for 3 per SM, and a 512-program grid (the 35B out-projections at
+# 4 x 2048, 132 registers) then runs in two waves
+MAXNREG_KEY = "maxnreg"
+OPTIONAL_KEYS = (PERSISTENT_KEY, MAXNREG_KEY)
 REDUCE_BLOCK = 1024
 # columns per step of the fused norm's row statistics: its own step, not BLOCK_K, so a narrow projection step
 # (128 fp8 columns: 16 steps at K = 2048) does not make the statistics a chain of L2 round trips
@@ -126,9 +131,9 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int) -> dict
 
 def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
     """Raise ValueError for a config the kernel cannot run (a hand-written or corrupted table entry)."""
-    if sorted(k for k in config if k != PERSISTENT_KEY) != sorted(CONFIG_KEYS):
+    if sorted(k for k in config if k not in OPTIONAL_KEYS) != sorted(CONFIG_KEYS):
         raise ValueError(
-            f"linear config needs exactly the keys {CONFIG_KEYS} (and {PERSISTENT_KEY}), got {sorted(config)}"
+            f"linear config needs exactly the keys {CONFIG_KEYS} (and optionally {OPTIONAL_KEYS}), got {sorted(config)}"
         )
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if not all(v > 0 and v & (v - 1) == 0 for v in (bm, bn, bk)):
@@ -142,6 +147,9 @@ def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
     persistent = config.get(PERSISTENT_KEY, 0)
     if not isinstance(persistent, int) or persistent < 0:
         raise ValueError(f"linear config: {PERSISTENT_KEY} is a number of programs per SM (>= 0), got {config}")
+    maxnreg = config.get(MAXNREG_KEY, 0)
+    if not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
+        raise ValueError(f"linear config: {MAXNREG_KEY} is a register cap per thread (up to 255), got {config}")
     if persistent and (bm != 1 or config["SPLIT_K"] != 1 or fp8):
         raise ValueError(
             f"linear config: {PERSISTENT_KEY} runs the dense GEMV (BLOCK_M = 1, SPLIT_K = 1), got {config}"
@@ -170,8 +178,7 @@ def make_plan(
                 f"linear config: {PERSISTENT_KEY} needs M = 1 and BLOCK_K >= K = {K}, got M = {M}, {config}"
             )
         grid = (min(triton.cdiv(N, bn), config[PERSISTENT_KEY] * num_sms),)
-        meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True,
-                    num_warps=config["num_warps"], num_stages=config["num_stages"])  # fmt: skip
+        meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True, **launch_options(config))
         return grid, 1, K, meta
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
@@ -180,9 +187,15 @@ def make_plan(
     meta = dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, X_FP8=fp8_x,
         SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(triton.next_power_of_2(K), MAX_NORM_BLOCK),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **launch_options(config),
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
+
+
+def launch_options(config: dict) -> dict:
+    """The config's Triton launch options: num_warps, num_stages and, if capped, maxnreg."""
+    cap = {MAXNREG_KEY: config[MAXNREG_KEY]} if config.get(MAXNREG_KEY) else {}
+    return dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **cap)
 
 
 _PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the default) config; FP8 x FP8 prefill

@@ -104,6 +104,22 @@ def test_persistent_gemv_bad_configs():
         lin.make_plan(1, 8, 64, persistent(4, 64, -1))
 
 
+def test_register_cap_is_a_launch_option():
+    """A config's maxnreg reaches the launch (make_plan's options, beside num_warps) on both GEMV kernels, the
+    result stays right, and caps Triton cannot take are refused by name."""
+    capped = {**config(1, 8, 16), "maxnreg": 128}
+    assert lin.make_plan(1, 37, 53, capped)[3]["maxnreg"] == 128
+    assert lin.make_plan(1, 37, 64, {**persistent(4, 64, 1), "maxnreg": 64})[3]["maxnreg"] == 64
+    assert "maxnreg" not in lin.make_plan(1, 37, 53, config(1, 8, 16))[3]
+    x, w = make(1, 37, 53, torch.float32, seed=3)
+    out = poisoned(1, 37, dtype=torch.float32)
+    lin.linear_into(x, w, out, config=capped)
+    assert rel_err(out, reference(x, w)) < TOL[torch.float32]
+    for bad in (-1, 256, 1.5):
+        with pytest.raises(ValueError, match="register cap"):
+            lin.make_plan(1, 37, 53, {**config(1, 8, 16), "maxnreg": bad})
+
+
 @pytest.mark.parametrize("M,K,SPLIT_K,splits", [(1, 48, 4, 3), (1, 96, 4, 3), (1, 100, 2, 2), (1, 16, 5, 1)])
 def test_split_plan(M, K, SPLIT_K, splits):
     """Splits cover whole BLOCK_K blocks and none is empty: 3 blocks / 4 -> 3; 6 / 4 -> 3 (of 2); 7 / 2 -> 2."""
