@@ -878,7 +878,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     assert nt >= 4 and nt & (nt - 1) == 0, "nt must be a power of 2 >= 4"
-    if bins is None:  # H200, results/bench_sampling.json: 64 bins made a round 5-7x slower than 16 (its [64, 64]
+    if bins is None:  # H200, results/bench_sampling_1b7448f.json: 64 bins made a round 5-7x slower than 16 ([64, 64]
         # threshold tile per block); 4 bins (more, streaming rounds) win at B = 256, 16 (fewer launches) at B = 1
         bins = (16 if B < 64 else 4) if logits.is_cuda else 16
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
