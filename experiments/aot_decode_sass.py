@@ -8,7 +8,10 @@ issued after it before any block barrier (they go out together), the block barri
 after the wait before its last global load is issued (a load behind a barrier waits for whatever the barrier's
 threads waited on), and the sequence of global loads (LDG), stores (STG), atomics and barriers after the wait, runs
 of one opcode counted (LDGx8); the code of loops that do not run at these shapes counts too (the sequences show
-where). It measures no time: it shows the order in which a kernel issues its memory traffic, which only the step's
+where), and the occupancy those registers and that shared memory allow: programs per SM and the waves the kernel's
+grid takes on the H200's 132 SMs (a grid of 512 programs at 3 per SM runs a second wave of 116: the out-projections
+and MoE up before their register caps). It measures no time: it shows the order in which a kernel issues its
+memory traffic, which only the step's
 timing on the GPU (experiments/tune_decode_loop.py, profile_decode_loop.py) can judge. (A top-k that cut the MoE
 up kernel's barriers before its expert loads from 15 to 1 made the step 38 us slower:
 results/probe_decode_latency.json.)
@@ -57,10 +60,25 @@ def h200_entry(module, key: str) -> dict:
     return json.loads(path.read_text())[key]["1"]
 
 
+SMS = 132  # the H200's
+SM_REGISTERS, SM_WARPS, SM_PROGRAMS, SM_SHARED = 65536, 64, 32, 228 * 1024  # sm_90 limits per SM
+REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
+
+
+def occupancy(registers: int, shared: int, num_warps: int, programs: int) -> dict:
+    """Programs per SM that the registers, warps and shared memory of one program allow, and the waves of a grid
+    of `programs` over SMS SMs (1 KB of shared memory per program is the system's)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    per_sm = min(SM_REGISTERS // (per_warp * num_warps), SM_WARPS // num_warps, SM_PROGRAMS,
+                 SM_SHARED // (shared + 1024))  # fmt: skip
+    return {"programs": programs, "programs_per_sm": per_sm, "waves": -(-programs // (per_sm * SMS))}
+
+
 def kernels_35b() -> dict:
-    """name -> (kernel, constexprs, pointer types, num_warps, num_stages, maxnreg) at the 35B shapes, H200 configs."""
+    """name -> (kernel, constexprs, pointer types, num_warps, num_stages, maxnreg, programs) at the 35B shapes, H200
+    configs."""
     gemv = h200_entry(linear, linear.shape_key(1281, 2048, torch.bfloat16))
-    _, _, _, meta = linear.make_plan(1, 1281, 2048, gemv)
+    (moe_in_programs, *_), _, _, meta = linear.make_plan(1, 1281, 2048, gemv, num_sms=SMS)
     warps, stages, cap = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
     table = h200_entry(moe, moe.shape_key(256, 2048, 512, torch.bfloat16))
     up, down = table["up"], table["down"]
@@ -69,35 +87,41 @@ def kernels_35b() -> dict:
     rows = {}
     for what, (N, K, norm) in {"gdn_in": (12352, 2048, True), "attn_qkv": (9216, 2048, True),
                                "out_proj": (2048, 4096, False)}.items():  # fmt: skip
-        _, _, _, meta = linear.make_plan(1, N, K, h200_entry(linear, linear.shape_key(N, K, torch.bfloat16)))
+        (programs, *_), _, _, meta = linear.make_plan(
+            1, N, K, h200_entry(linear, linear.shape_key(N, K, torch.bfloat16)), num_sms=SMS
+        )  # fmt: skip
         proj_warps, proj_stages, proj_cap = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
         kernel = linear._gemv_persistent_kernel if meta.pop("PERSISTENT", False) else linear._linear_kernel
         meta = {k: v for k, v in meta.items() if k in aot_sm90.fn_of(kernel).arg_names}
         rows[f"{what} (N {N}, K {K}{', + add, RMSNorm' if norm else ''})"] = (
             kernel, {**meta, "NORM": norm, "PDL": True}, {"xs_ptr": "*fp32"}, proj_warps, proj_stages, proj_cap,
+            programs,
         )  # fmt: skip
     return rows | {
         "moe_in (add + RMSNorm + GEMV, N 1281)": (
             linear._linear_kernel, {**meta, "NORM": True, "PDL": True}, {"xs_ptr": "*fp32"}, warps, stages, cap,
+            moe_in_programs,
         ),
         "moe up (routing + expert gate/up GEMV)": (
             moe._moe_up_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
                  EVEN_K=True, EXPERTS_FP8=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"], up.get("maxnreg"),
+            triton.cdiv(512, up["BLOCK_N"]) * 8,
         ),
         "moe down (experts + shared + combine GEMV)": (
             moe._moe_down_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
                  EXPERTS_FP8=False, SHARED_FP8=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"], down.get("maxnreg"),
+            triton.cdiv(2048, down["BLOCK_N"]),
         ),
         "attention decode (norm + RoPE, split-K, merge, gate)": (
             attention._decode_kernel,
             dict(HQ=16, HKV=2, G=8, D=256, HALF=32, NUM_SPLITS=4, PDL=True, **att),
             {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "arrivals_ptr": "*i32", "pos_ptr": "*i64",
              "inv_freq_ptr": "*fp32"},
-            att_warps, att_stages,
+            att_warps, att_stages, None, 2 * 4,
         ),
     }  # fmt: skip
 
@@ -112,7 +136,7 @@ def compressed(ops: list[str]) -> str:
     return " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs)
 
 
-def report(kernel, constexprs, types, num_warps, num_stages, maxnreg=None) -> dict:
+def report(kernel, constexprs, types, num_warps, num_stages, maxnreg, programs) -> dict:
     names = aot_sm90.fn_of(kernel).arg_names  # constexprs the kernel does not take are dropped (older versions)
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     fn, sig, const, attrs = aot_sm90.spec(kernel, signature(kernel, constexprs, types), constexprs)
@@ -125,6 +149,7 @@ def report(kernel, constexprs, types, num_warps, num_stages, maxnreg=None) -> di
     return {
         "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg, "registers": regs["registers"],
         "spill_bytes": regs["spill_store_bytes"] + regs["spill_load_bytes"], "shared_bytes": c.metadata.shared,
+        **occupancy(regs["registers"], c.metadata.shared, num_warps, programs),
         "loads_before_wait": sum(o.startswith("LDG") for o in ops[: len(ops) - len(after)]),
         "loads_with_the_wait": sum(o.startswith("LDG") for o in after[: next(
             (i for i, o in enumerate(after) if o.startswith("BAR")), len(after))]),
@@ -142,11 +167,12 @@ def main():
     env = {"triton": triton.__version__, "target": "sm_90 (ptxas from the Triton wheel)"}
     commit = aot_sm90.subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     Path(args.out).write_text(json.dumps({"commit": commit.strip(), **env, "kernels": rows}, indent=1) + "\n")
-    print(f"{'kernel':<54} {'regs':>4} {'spill':>5} {'loads: before wait':>18} {'with it':>7} "
-          f"{'barriers before last load':>25}")  # fmt: skip
+    print(f"{'kernel':<54} {'regs':>4} {'spill':>5} {'per SM':>6} {'grid':>5} {'waves':>5} {'loads: before wait':>18} "
+          f"{'with it':>7} {'barriers before last load':>25}")  # fmt: skip
     for name, r in rows.items():
-        print(f"{name:<54} {r['registers']:>4} {r['spill_bytes']:>5} {r['loads_before_wait']:>18} "
-              f"{r['loads_with_the_wait']:>7} {r['barriers_before_last_load']:>25}")  # fmt: skip
+        print(f"{name:<54} {r['registers']:>4} {r['spill_bytes']:>5} {r['programs_per_sm']:>6} {r['programs']:>5} "
+              f"{r['waves']:>5} {r['loads_before_wait']:>18} {r['loads_with_the_wait']:>7} "
+              f"{r['barriers_before_last_load']:>25}")  # fmt: skip
 
 
 if __name__ == "__main__":
