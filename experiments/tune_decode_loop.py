@@ -70,10 +70,14 @@ MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
                        (1, 512, 4, 2)]  # fmt: skip
 # FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
+# the persistent ones: the table's FP8 DeltaNet and attention in-projections (8 x 1024, 4 x 2048) run their 1,544
+# and 2,304 programs in 2 and 3 waves at 7 per SM; persistent at 1 x 2048 on 8 per SM (64 registers), one wave
+# (experiments/aot_decode_sass.py's occupancy)
 FP8_GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (4, 1024, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1),
-           (8, 512, 4, 2)],
-    4096: [(4, 4096, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 2)],
+           (8, 512, 4, 2), (1, 2048, 4, 1, 8), (2, 2048, 4, 1, 4), (1, 2048, 4, 1, 6)],
+    4096: [(4, 4096, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 2),
+           (1, 4096, 4, 1, 4), (2, 4096, 4, 1, 3)],
 }  # fmt: skip
 FP8_MOE_UP_CANDIDATES = [(8, 1024, 4, 2), (4, 2048, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 2), (4, 1024, 4, 2),
                          (16, 512, 8, 2)]  # fmt: skip

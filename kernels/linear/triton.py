@@ -6,6 +6,8 @@ At M <= 64 the op reads the weight once and is bound by HBM bandwidth, so the ke
   BLOCK_M == 1  (M = 1): a GEMV without tensor cores. Each program owns BLOCK_N weight rows, loads
     [BLOCK_N, BLOCK_K] tiles with 16-byte vectors along K, accumulates elementwise in fp32 registers and reduces
     over K once, after the loop. Small BLOCK_N and wide BLOCK_K give many programs with many bytes in flight.
+  PERSISTENT (M = 1, a config key): a few programs per SM stride over row blocks of the whole row each, x read
+    and normalised once per program, the next two blocks' weights (and fp8 scales) in flight while one is used.
   BLOCK_M >= 16 (2 <= M <= 64): a tl.dot tile [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] with an fp32 accumulator
     (rows past M are masked; the tensor cores have compute to spare at these M).
 Split-K (SPLIT_K > 1) gives shapes with few output tiles enough programs: split s writes its fp32 partial to a
@@ -58,7 +60,7 @@ MAX_M = 64  # rows up to which the Triton kernel runs; F.linear (cuBLAS) above
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
-# optional: programs per SM of the persistent GEMV (_gemv_persistent_kernel; M = 1, BLOCK_K >= K, dense weights)
+# optional: programs per SM of the persistent GEMV (_gemv_persistent_kernel; M = 1, BLOCK_K >= K, dense or fp8)
 PERSISTENT_KEY = "PERSISTENT"
 # optional: Triton's register cap per thread (a launch option). sm_90 gives 64K registers per SM: at 4 warps a
 # program over 128 registers leaves room for 3 per SM, and a 512-program grid (the 35B out-projections at
@@ -150,10 +152,8 @@ def check_config(config: dict, fp8: bool = False, fp8_x: bool = False) -> None:
     maxnreg = config.get(MAXNREG_KEY, 0)
     if not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
         raise ValueError(f"linear config: {MAXNREG_KEY} is a register cap per thread (up to 255), got {config}")
-    if persistent and (bm != 1 or config["SPLIT_K"] != 1 or fp8):
-        raise ValueError(
-            f"linear config: {PERSISTENT_KEY} runs the dense GEMV (BLOCK_M = 1, SPLIT_K = 1), got {config}"
-        )
+    if persistent and (bm != 1 or config["SPLIT_K"] != 1):
+        raise ValueError(f"linear config: {PERSISTENT_KEY} runs the GEMV (BLOCK_M = 1, SPLIT_K = 1), got {config}")
     if fp8_x and (not fp8 or bm == 1 or bk != SCALE_BLOCK_K):
         raise ValueError(
             f"linear config: FP8 x FP8 (fp8 activations) needs an fp8 weight and the dot path with BLOCK_K = "
@@ -178,7 +178,8 @@ def make_plan(
                 f"linear config: {PERSISTENT_KEY} needs M = 1 and BLOCK_K >= K = {K}, got M = {M}, {config}"
             )
         grid = (min(triton.cdiv(N, bn), config[PERSISTENT_KEY] * num_sms),)
-        meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True, **launch_options(config))
+        meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True, SCALED=fp8,
+                    SUB_K=min(bk, SCALE_BLOCK_K), **launch_options(config))  # fmt: skip
         return grid, 1, K, meta
     k_blocks = triton.cdiv(K, bk)
     blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
@@ -473,23 +474,46 @@ def _linear_kernel(
 
 
 @triton.jit
-def _row_block(w_ptr, block, n_blocks, N, stride_wn, offs_k, K, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight rows of row block `block` as one [BLOCK_N, BLOCK_K] tile (the whole row: BLOCK_K >= K); all
-    zero, with no memory traffic, for a block >= n_blocks. Rows past N re-read row N - 1 (unmasked along K, the
-    loads keep their 16-byte vectors); the store drops them."""
+def _row_block(w_ptr, s_ptr, block, n_blocks, N, stride_wn, stride_sn, offs_k, K, BLOCK_N: tl.constexpr,
+               EVEN_K: tl.constexpr, SCALED: tl.constexpr, SUB_K: tl.constexpr):  # fmt: skip
+    """The weight rows of row block `block` as one [BLOCK_N, BLOCK_K] tile (the whole row: BLOCK_K >= K) and, with
+    SCALED (fp8), their scales [BLOCK_N, BLOCK_K / SUB_K] (one per 128 columns; else a dummy 1); all zero, with no
+    memory traffic, for a block >= n_blocks. Rows past N re-read row N - 1 (unmasked along K, the loads keep their
+    16-byte vectors); the store drops them."""
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = w_ptr + (tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None] + offs_k[None, :]
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    ptrs = w_ptr + (rows * stride_wn)[:, None] + offs_k[None, :]
     live = (offs_n < n_blocks * BLOCK_N)[:, None]  # [BLOCK_N, 1]: constant along K, so the vectors stay 16 bytes
     if EVEN_K:
-        return tl.load(ptrs, mask=live, other=0.0)
-    return tl.load(ptrs, mask=live & (offs_k < K)[None, :], other=0.0)
+        w = tl.load(ptrs, mask=live, other=0.0)
+    else:
+        w = tl.load(ptrs, mask=live & (offs_k < K)[None, :], other=0.0)
+    scale = 1.0
+    if SCALED:
+        blocks = tl.arange(0, offs_k.shape[0] // SUB_K)  # the row's scale blocks; none read past K
+        s_ptrs = s_ptr + (rows * stride_sn)[:, None] + blocks[None, :]
+        scale = tl.load(s_ptrs, mask=live & (blocks * 128 < K)[None, :], other=0.0)
+    return w, scale
+
+
+@triton.jit
+def _row_block_dot(w, scale, x, SCALED: tl.constexpr, SUB_K: tl.constexpr):
+    """[BLOCK_N] fp32 = w [BLOCK_N, BLOCK_K] @ x [1, BLOCK_K] fp32; SCALED: each SUB_K-column sub-step's sum
+    times its row scale (_row_block's)."""
+    prod = w.to(tl.float32) * x
+    if SCALED:
+        sums = tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // SUB_K, SUB_K)), 2) * scale
+    else:
+        sums = prod
+    return tl.sum(sums, axis=1)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["N"])
 def _gemv_persistent_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, stride_wn, res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, s_ptr, N, K, stride_wn, stride_sn, res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
+    SUB_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [1, K] @ w^T, M = 1, by a few programs per SM: program p computes row blocks p, p + P, p + 2P, ...
     (P programs), each one [BLOCK_N, BLOCK_K >= K] tile. x (with NORM: rms_norm(x + residual) * (1 + nw), written
@@ -497,14 +521,17 @@ def _gemv_persistent_kernel(
     b + P's weights load before block b's products: no weight load waits for x, and the first two blocks' loads
     are in flight while the program waits for its producer and reads x. (The one-block-per-program kernel reads
     and normalises x in every program, BLOCK_N rows at a time, and issues its second K step after the first
-    one's products.)"""
+    one's products.) SCALED: fp8 weights, each block's scales [BLOCK_N, BLOCK_K / SUB_K] loaded with its rows and
+    applied per 128-column sub-step, as in _scaled_step."""
     allow_dependents(PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    w = _row_block(w_ptr, pid, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)  # the grid has <= n_blocks
-    w_next = _row_block(w_ptr, pid + step, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)
+    w, scale = _row_block(w_ptr, s_ptr, pid, n_blocks, N, stride_wn, stride_sn, offs_k, K, BLOCK_N, EVEN_K, SCALED,
+                          SUB_K)  # the grid has <= n_blocks  # fmt: skip
+    w_next, scale_next = _row_block(w_ptr, s_ptr, pid + step, n_blocks, N, stride_wn, stride_sn, offs_k, K, BLOCK_N,
+                                    EVEN_K, SCALED, SUB_K)  # fmt: skip
     wait_for_producers(PDL)
     row = tl.zeros((1,), tl.int64)
     row_mask = row == 0
@@ -517,12 +544,13 @@ def _gemv_persistent_kernel(
         x = tl.load(x_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
     x = x.to(tl.float32)  # [1, BLOCK_K]
     for block in range(pid, n_blocks, step):
-        w_after = _row_block(w_ptr, block + 2 * step, n_blocks, N, stride_wn, offs_k, K, BLOCK_N, EVEN_K)
-        out = tl.sum(w.to(tl.float32) * x, axis=1)  # [BLOCK_N]
+        w_after, scale_after = _row_block(w_ptr, s_ptr, block + 2 * step, n_blocks, N, stride_wn, stride_sn, offs_k,
+                                          K, BLOCK_N, EVEN_K, SCALED, SUB_K)  # fmt: skip
+        out = _row_block_dot(w, scale, x, SCALED, SUB_K)  # [BLOCK_N]
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-        w = w_next
-        w_next = w_after
+        w, scale = w_next, scale_next
+        w_next, scale_next = w_after, scale_after
 
 
 @fast_launch
@@ -610,8 +638,8 @@ def linear_into(
     if meta.get("PERSISTENT"):
         meta = {k: v for k, v in meta.items() if k not in ("BLOCK_M", "PERSISTENT")}
         _gemv_persistent_kernel[grid](
-            x, weight, out, N, K, weight.stride(0), residual, norm_weight, normed, hidden, residual.stride(0), eps,
-            NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
+            x, weight, out, s, N, K, weight.stride(0), stride_sn, residual, norm_weight, normed, hidden,
+            residual.stride(0), eps, NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
         )  # fmt: skip
         return out
     if split > 1 and workspace is None:

@@ -80,6 +80,39 @@ def test_fp8_row_slice_of_a_fused_buffer():
     assert rel_err(out, reference(x, q[33:34], scale[33:34])) < TOL[torch.float32]
 
 
+def persistent(BLOCK_N, BLOCK_K, programs_per_sm):
+    return {**config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
+
+
+# (N, K, config, reason); the interpreter's grid is programs_per_sm * 8 "SMs"
+PERSISTENT_CASES = [
+    (37, 300, persistent(4, 512, 1), "K tail in the third scale block, the fourth 128-column sub-step wholly past K"),
+    (67, 256, persistent(1, 256, 1), "one row per block, two scale blocks, 67 blocks over 8 programs"),
+    (12, 64, persistent(4, 64, 2), "K under one scale block (SUB_K = 64), fewer blocks (3) than programs"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N,K,cfg,reason", PERSISTENT_CASES, ids=[c[-1].split(",")[0] for c in PERSISTENT_CASES])
+def test_fp8_persistent_gemv(N, K, cfg, reason, dtype):
+    """The persistent GEMV on fp8 weights: each block's scales come with its rows (prefetched with them), one per
+    128 columns (make's second scale block is 50x the others: a scale on the wrong block shows). Output poisoned;
+    with the add + RMSNorm prologue, normed and hidden too."""
+    x, q, scale = make(1, N, K, dtype, seed=N + K)
+    out = poisoned(1, N, dtype=dtype)
+    lin.linear_into(x, q, out, config=cfg, scale=scale)
+    assert rel_err(out, reference(x, q, scale)) < TOL[dtype], reason
+    gen = torch.Generator().manual_seed(K)
+    residual, nw = torch.randn(1, K, generator=gen).to(dtype), (0.1 * torch.randn(K, generator=gen)).to(dtype)
+    out, normed, hidden = poisoned(1, N, dtype=dtype), poisoned(1, K, dtype=dtype), poisoned(1, K, dtype=dtype)
+    lin.linear_into(x, q, out, config=cfg, scale=scale, norm=(residual, nw, 1e-6, normed, hidden))
+    ref_out, ref_normed, _ = naive.add_rms_norm_linear(x.double(), residual.double(), nw.double(), 1e-6, q, scale)
+    tol = TOL[dtype] if dtype == torch.float32 else 1e-2  # fp16: normed is rounded before the products
+    assert rel_err(out, ref_out) < tol, reason
+    assert rel_err(normed, ref_normed) < tol, reason
+    assert torch.equal(hidden, x + residual), reason
+
+
 def test_fp8_configs_and_inputs_are_checked():
     with pytest.raises(ValueError, match=r"fp8 on the dot path needs BLOCK_K <= 128"):
         lin.make_plan(2, 8, 512, config(16, 16, 256), fp8=True)
@@ -110,6 +143,45 @@ def test_fp8_linear_gpu_bf16(N, K, M):
     graph, replayed = captured(lambda: lin.linear(x, q, scale))
     graph.replay()
     torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "add+rmsnorm"])
+@pytest.mark.parametrize(
+    "N,K,cfg",
+    [(12352, 2048, persistent(1, 2048, 8)), (9216, 2048, persistent(2, 2048, 4)), (2048, 4096, persistent(1, 4096, 4)),
+     (1281, 2048, persistent(2, 2048, 4))],
+    ids=["gdn_in", "attn_qkv", "gdn_out", "moe_in 1281 rows: a short last block"],
+)  # fmt: skip
+def test_fp8_persistent_gemv_35b_gpu(N, K, cfg, norm):
+    """The persistent GEMV on fp8 weights in bf16 at 35B shapes, forced whatever the table holds: as accurate as
+    the one-block-per-program GEMV against fp64 on the dequantized weight (normed too), bit-identical when replayed
+    in a CUDA graph (PDL on)."""
+    from tests.helpers import captured
+
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(1, K, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(1, K, device="cuda", generator=gen).bfloat16()
+    nw = (0.1 * torch.randn(K, device="cuda", generator=gen)).bfloat16()
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+
+    def run(config):
+        normed, hidden = torch.empty_like(x), torch.empty_like(x)
+        norm_args = (residual, nw, 1e-6, normed, hidden) if norm else None
+        out = torch.empty(1, N, dtype=x.dtype, device="cuda")
+        return lin.linear_into(x, q, out, config=config, scale=scale, norm=norm_args), normed
+
+    one_block = config(1, 4, 2048 if K <= 2048 else 4096)
+    ref_out, ref_normed, _ = naive.add_rms_norm_linear(x.double(), residual.double(), nw.double(), 1e-6, q, scale)
+    ref = ref_out if norm else x.double() @ dequantize(q, scale, torch.float64).T
+    graph, (static_out, static_normed) = captured(lambda: run(cfg))
+    graph.replay()
+    torch.cuda.synchronize()
+    one_out, one_normed = run(one_block)
+    assert rel_err(static_out, ref) <= 1.1 * rel_err(one_out, ref) + 1e-4
+    if norm:
+        assert rel_err(static_normed, ref_normed) <= 1.1 * rel_err(one_normed, ref_normed) + 1e-4
+    assert torch.equal(static_out, run(cfg)[0])
 
 
 @pytest.mark.gpu
