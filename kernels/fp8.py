@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 FP8 = torch.float8_e4m3fn
@@ -178,7 +178,7 @@ def quantize_activations(x: torch.Tensor, block_m: int = QUANTIZE_BLOCK_M) -> tu
     if M == 0 or K == 0:
         return q, scale
     on = pdl(x)
-    _quantize_activations_kernel[(triton.cdiv(M, block_m), k_blocks(K))](
+    _quantize_activations_kernel[(cdiv(M, block_m), k_blocks(K))](
         x, q, scale, M, K, x.stride(0), BLOCK_M=block_m, EVEN_K=K % BLOCK_K == 0, PDL=on, launch_pdl=on
     )
     return q, scale

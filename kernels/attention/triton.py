@@ -28,7 +28,7 @@ import triton.language as tl
 
 import kernels
 from kernels.counters import ArrivalCounters
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 BLOCK_N = 64  # keys per decode tile, also the unit a decode split's key range is counted in
@@ -314,7 +314,7 @@ def num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) 
     """Static split-K width: enough (row, kv head, split) programs to fill the GPU twice over, no more
     splits than key tiles in the cache. Depends on shapes only, never on positions (CUDA graphs)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(2 * sms, batch * kv_heads), triton.cdiv(cache_len, BLOCK_N), MAX_SPLITS))
+    return max(1, min(cdiv(2 * sms, batch * kv_heads), cdiv(cache_len, BLOCK_N), MAX_SPLITS))
 
 
 @functools.cache
@@ -322,11 +322,11 @@ def _decode_config(G: int, D: int, splits: int, dtype: torch.dtype) -> dict:
     """Launch options of the decode kernel (experiments/tune_attention.py, H200, bf16 at 35B dims: 8 warps, one
     stage; a second stage won nothing and would not fit fp32 tiles at head dim 256); the merge reads [heads,
     splits, D] partial tiles of at most REDUCE_TILE elements."""
-    block_d = max(triton.next_power_of_2(D), 16)  # tl.dot needs every dim >= 16
-    reduce_g = triton.next_power_of_2(G)
-    reduce_s = max(1, min(triton.next_power_of_2(splits), REDUCE_TILE // (reduce_g * block_d)))
+    block_d = max(next_power_of_2(D), 16)  # tl.dot needs every dim >= 16
+    reduce_g = next_power_of_2(G)
+    reduce_s = max(1, min(next_power_of_2(splits), REDUCE_TILE // (reduce_g * block_d)))
     return dict(
-        BLOCK_G=max(triton.next_power_of_2(G), 16), BLOCK_D=block_d, BLOCK_N=BLOCK_N, REDUCE_G=reduce_g,
+        BLOCK_G=max(next_power_of_2(G), 16), BLOCK_D=block_d, BLOCK_N=BLOCK_N, REDUCE_G=reduce_g,
         REDUCE_S=reduce_s, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=8, num_stages=1,
     )  # fmt: skip
@@ -342,7 +342,7 @@ def _prefill_config(D: int, dtype: torch.dtype) -> dict:
     """Launch options of the prefill kernel: wide rows (fp32 at head dim 256) take 32-key tiles; 16-bit rows at head
     dim 256 128-query tiles (tune_prefill on the H200, 35B at 4096 tokens: 564 µs with the norm + RoPE launch, 752
     with 64-query tiles)."""
-    wide = max(triton.next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
+    wide = max(next_power_of_2(D), 16) * dtype.itemsize > WIDE_ROW_BYTES
     block_m = 128 if D >= 256 and not wide else 64
     config = dict(BLOCK_M=block_m, BLOCK_N=32 if wide else 64, num_warps=8 if D >= 256 else 4, num_stages=2)
     return config if wide else {**config, **PREFILL_OPTIONS}
@@ -402,12 +402,12 @@ def prefill_norm_rope_into(q, k, v, q_weight, k_weight, k_cache, v_cache, positi
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q_normed.is_contiguous()
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1
     block_t = NORM_ROPE_CONFIG["BLOCK_T"]
-    _prefill_norm_rope_kernel[(triton.cdiv(B * T, block_t), HQ + HKV)](
+    _prefill_norm_rope_kernel[(cdiv(B * T, block_t), HQ + HKV)](
         q, k, v, q_weight, k_weight, q_normed, k_cache, v_cache, positions, inv_freq, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), positions.stride(0), positions.stride(1),
-        T, B * T, HQ=HQ, D=D, HALF=inv_freq.shape[0], BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D),
+        T, B * T, HQ=HQ, D=D, HALF=inv_freq.shape[0], BLOCK_T=block_t, BLOCK_D=next_power_of_2(D),
         num_warps=NORM_ROPE_CONFIG["num_warps"],
     )  # fmt: skip
 
@@ -422,12 +422,12 @@ def prefill_attention_into(
     assert gate.stride(-1) == 1 and out.is_contiguous()
     prefill_norm_rope_into(q, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, q_normed)
     config = _prefill_config(D, k_cache.dtype)
-    _prefill_kernel[(triton.cdiv(T, config["BLOCK_M"]), B * HQ)](
+    _prefill_kernel[(cdiv(T, config["BLOCK_M"]), B * HQ)](
         q_normed, gate, k_cache, v_cache, positions, out, scale * 1.4426950408889634,
         q_normed.stride(0), q_normed.stride(1), q_normed.stride(2), gate.stride(0), gate.stride(1), gate.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), D,
-        T, HQ=HQ, G=HQ // HKV, D=D, BLOCK_D=max(triton.next_power_of_2(D), 16),
+        T, HQ=HQ, G=HQ // HKV, D=D, BLOCK_D=max(next_power_of_2(D), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip
 

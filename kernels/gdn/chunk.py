@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.gdn.conv import causal_conv1d
 from kernels.gdn.gates import gates
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 
 CHUNK = 64  # the kernels hard-code it (and its 16-token blocks) as literals
 # launch configs (experiments/tune_prefill.py on the 35B shape at 4096 tokens, H200): the WY kernel's warps
@@ -213,7 +213,7 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, T, stride_zb, strid
 
 
 def _blocks(dk: int, dv: int) -> tuple[int, int]:
-    return max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))  # tl.dot needs >= 16
+    return max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))  # tl.dot needs >= 16
 
 
 def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) -> dict:
@@ -224,7 +224,7 @@ def wy_transform(qkv, a, b, A_log, dt_bias, num_k_heads: int, dk: int, dv: int) 
     B, T, C = qkv.shape
     nv, nk = a.shape[-1], num_k_heads
     BK, BV = _blocks(dk, dv)
-    n_chunks = triton.cdiv(T, CHUNK)
+    n_chunks = cdiv(T, CHUNK)
     Tp = n_chunks * CHUNK
     u = torch.empty(B, nv, Tp, dv, dtype=qkv.dtype, device=qkv.device)
     w = torch.empty(B, nv, Tp, dk, dtype=qkv.dtype, device=qkv.device)
@@ -252,7 +252,7 @@ def chunk_delta_rule(qkv, wy: dict, recurrent_state, num_k_heads: int) -> torch.
     # limit is 227 KiB), 1 takes 72 KiB
     num_stages = 3 if qkv.element_size() <= 2 else 1
     o = torch.empty(B, T, nv, dv, dtype=qkv.dtype, device=qkv.device)
-    _chunk_state_kernel[(triton.cdiv(dv, BV), B * nv)](
+    _chunk_state_kernel[(cdiv(dv, BV), B * nv)](
         qkv, wy["u"], wy["w"], wy["gc"], wy["q_scale"], wy["k_scale"], wy["attn"], recurrent_state, o,
         T, wy["u"].shape[2], C,
         NK=nk, G=nv // nk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=STATE_CONFIG["num_warps"], num_stages=num_stages,
@@ -268,7 +268,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     out = torch.empty(B, T, nv * dv, dtype=o.dtype, device=o.device)
     n_rows, BR = B * T * nv, NORM_CONFIG["BR"]
     BD = _blocks(dv, dv)[1]
-    _gated_norm_kernel[(triton.cdiv(n_rows, BR),)](
+    _gated_norm_kernel[(cdiv(n_rows, BR),)](
         o, z, weight, out, n_rows, T, z.stride(0), z.stride(1), eps, NV=nv, D=dv, BR=BR, BD=BD,
         num_warps=NORM_CONFIG["num_warps"],
     )  # fmt: skip

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 
 # launch config at prefill: time block x channel block (experiments/tune_prefill.py on the 35B shape, H200:
 # 32 x 128 on 4 warps 104.8 µs, the 16-token blocks before 117.5)
@@ -82,7 +82,7 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     out = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     BT, BC = CONFIG["BT"], CONFIG["BC"]
     assert BT >= KW - 1, "only the first time block reads the conv state"
-    grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+    grid = (cdiv(T, BT), cdiv(C, BC), B)
     _causal_conv1d_kernel[grid](
         x,
         weight,
@@ -93,7 +93,7 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
         x.stride(0),
         x.stride(1),
         KW=KW,
-        KP=triton.next_power_of_2(KW - 1),
+        KP=next_power_of_2(KW - 1),
         BT=BT,
         BC=BC,
         num_warps=CONFIG["num_warps"],

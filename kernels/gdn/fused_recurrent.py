@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.counters import ArrivalCounters
 from kernels.gdn.gates import gates
-from kernels.launch import fast_launch
+from kernels.launch import fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
@@ -198,7 +198,7 @@ def value_splits(B: int, nv: int, dv: int) -> int:
     """Value splits per head: doubled while the grid has fewer than MIN_DECODE_PROGRAMS programs and each split
     keeps >= 32 columns (a split's state tile stays a few KiB of 16-byte loads)."""
     splits = 1
-    while B * nv * splits < MIN_DECODE_PROGRAMS and triton.next_power_of_2(dv) // (2 * splits) >= 32:
+    while B * nv * splits < MIN_DECODE_PROGRAMS and next_power_of_2(dv) // (2 * splits) >= 32:
         splits *= 2
     return splits
 
@@ -235,8 +235,8 @@ def gated_delta_net_decode(
     out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     device = mixed_qkv.device
     splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv)
-    BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv) // splits
-    assert BV >= 1 and BV * splits == triton.next_power_of_2(dv), "splits: a power of two up to the value head dim"
+    BK, BV = next_power_of_2(dk), next_power_of_2(dv) // splits
+    assert BV >= 1 and BV * splits == next_power_of_2(dv), "splits: a power of two up to the value head dim"
     sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
     kw = conv_weight.shape[-1]
     on = pdl(mixed_qkv)
@@ -244,7 +244,7 @@ def gated_delta_net_decode(
         mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
         reader_counters(B * nk, device), norm_arrivals(B * nv, device), sumsq, out,
         C, _rows(mixed_qkv), _rows(z), _rows(a), _rows(b), eps, dk**-0.5,
-        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=triton.next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
+        NK=nk, G=nv // nk, DK=dk, DV=dv, KW=kw, KP=next_power_of_2(kw - 1), BK=BK, BV=BV, SV=splits,
         PDL=on, launch_pdl=on, num_warps=DECODE_OPTIONS.get("num_warps", 8 if BK * BV > MAX_TILE_4_WARPS else 4),
     )  # fmt: skip
     return out

@@ -49,7 +49,7 @@ import triton.language as tl
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -104,22 +104,22 @@ def default_config(M: int, N: int, K: int, num_sms: int, fp8: bool = False) -> d
     >= 4 programs per SM. M > 1: a dot tile BLOCK_N = 64 halved (to 16) and then split along K until there are
     >= 2 programs per SM."""
     if M == 1 and fp8:  # 1024-column steps of 4 rows: bench_fp8's sweep winner at most H200 shapes (ceaa2ab)
-        block_k, block_n = min(1024, max(16, triton.next_power_of_2(K))), 4
-        while block_n > 1 and triton.cdiv(N, block_n) < 2 * num_sms:
+        block_k, block_n = min(1024, max(16, next_power_of_2(K))), 4
+        while block_n > 1 and cdiv(N, block_n) < 2 * num_sms:
             block_n //= 2
         return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
     if M == 1:
-        block_k = min(512, max(16, triton.next_power_of_2(K)))
+        block_k = min(512, max(16, next_power_of_2(K)))
         block_n = max(1, 4096 // block_k)
-        while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
+        while block_n > 1 and cdiv(N, block_n) < 4 * num_sms:
             block_n //= 2
         return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=1)
-    block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(M))), 64, max(16, min(128, K))
-    block_k = triton.next_power_of_2(block_k)
-    tiles = lambda: triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    block_m, block_n, block_k = min(64, max(16, next_power_of_2(M))), 64, max(16, min(128, K))
+    block_k = next_power_of_2(block_k)
+    tiles = lambda: cdiv(M, block_m) * cdiv(N, block_n)
     while block_n > 16 and tiles() < 2 * num_sms:
         block_n //= 2
-    k_blocks, split = triton.cdiv(K, block_k), 1
+    k_blocks, split = cdiv(K, block_k), 1
     while split < 8 and tiles() * split < 2 * num_sms and k_blocks >= 2 * split:
         split *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
@@ -177,17 +177,17 @@ def make_plan(
             raise ValueError(
                 f"linear config: {PERSISTENT_KEY} needs M = 1 and BLOCK_K >= K = {K}, got M = {M}, {config}"
             )
-        grid = (min(triton.cdiv(N, bn), config[PERSISTENT_KEY] * num_sms),)
+        grid = (min(cdiv(N, bn), config[PERSISTENT_KEY] * num_sms),)
         meta = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K == bk, PERSISTENT=True, SCALED=fp8,
                     SUB_K=min(bk, SCALE_BLOCK_K), **launch_options(config))  # fmt: skip
         return grid, 1, K, meta
-    k_blocks = triton.cdiv(K, bk)
-    blocks_per_split = triton.cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
-    split = triton.cdiv(k_blocks, blocks_per_split)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn) * split,)
+    k_blocks = cdiv(K, bk)
+    blocks_per_split = cdiv(k_blocks, min(config["SPLIT_K"], k_blocks))
+    split = cdiv(k_blocks, blocks_per_split)
+    grid = (cdiv(M, bm) * cdiv(N, bn) * split,)
     meta = dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PARTIAL=split > 1, SCALED=fp8, X_FP8=fp8_x,
-        SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(triton.next_power_of_2(K), MAX_NORM_BLOCK),
+        SUB_K=min(bk, SCALE_BLOCK_K), NORM_BLOCK=min(next_power_of_2(K), MAX_NORM_BLOCK),
         **launch_options(config),
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
@@ -651,7 +651,7 @@ def linear_into(
         NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
     )  # fmt: skip
     if split > 1:
-        _split_k_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+        _split_k_reduce_kernel[(cdiv(M * N, REDUCE_BLOCK),)](
             workspace, out, M * N, split, BLOCK=REDUCE_BLOCK, PDL=on, launch_pdl=on
         )
     return out

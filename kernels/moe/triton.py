@@ -59,7 +59,7 @@ import triton.language as tl
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -270,7 +270,7 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     if M:
         _route_kernel[(M,)](
             router_logits, weights, ids, *router_logits.stride(), E,
-            TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+            TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), BLOCK_E=next_power_of_2(E),
         )  # fmt: skip
     return weights, ids
 
@@ -316,16 +316,16 @@ def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
     expert wastes BLOCK_M - 1 rows); the GEMMs skip blocks at or past ends[E - 1]."""
     P = topk_ids.numel()
     ids = topk_ids.flatten()
-    num_blocks = triton.cdiv(P + min(E, P) * (block_m - 1), block_m)
+    num_blocks = cdiv(P + min(E, P) * (block_m - 1), block_m)
     counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
     rank = torch.empty(P, dtype=torch.int32, device=ids.device)
     starts = torch.empty(E, dtype=torch.int32, device=ids.device)
     ends = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=ids.device)
     BLOCK = 1024
-    _align_count_kernel[(triton.cdiv(P, BLOCK),)](ids, counts, rank, P, BLOCK=BLOCK)
-    _align_offsets_kernel[(1,)](counts, starts, ends, E, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E))
-    _align_scatter_kernel[(triton.cdiv(P, BLOCK),)](ids, rank, starts, sorted_pairs, P, BLOCK=BLOCK)
+    _align_count_kernel[(cdiv(P, BLOCK),)](ids, counts, rank, P, BLOCK=BLOCK)
+    _align_offsets_kernel[(1,)](counts, starts, ends, E, BLOCK_M=block_m, BLOCK_E=next_power_of_2(E))
+    _align_scatter_kernel[(cdiv(P, BLOCK),)](ids, rank, starts, sorted_pairs, P, BLOCK=BLOCK)
     return sorted_pairs, ends
 
 
@@ -563,7 +563,7 @@ def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     return {
         "h": x.new_empty(P, I),
         "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
-        "i32": x.new_empty(P + triton.cdiv(H, config["down"]["BLOCK_N"]), dtype=torch.int32),
+        "i32": x.new_empty(P + cdiv(H, config["down"]["BLOCK_N"]), dtype=torch.int32),
         "out": x.new_empty(M, H),
     }
 
@@ -594,18 +594,18 @@ def moe_block_decode(
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
-    num_counters = triton.cdiv(H, down["BLOCK_N"])
+    num_counters = cdiv(H, down["BLOCK_N"])
     on = pdl(x)
-    _moe_up_decode_kernel[(triton.cdiv(I, up["BLOCK_N"]), E)](
+    _moe_up_decode_kernel[(cdiv(I, up["BLOCK_N"]), E)](
         x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters, w13_s,
-        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_T=max(RANK_CHUNK, triton.next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
-        BLOCK_COUNTERS=triton.next_power_of_2(num_counters), BLOCK_M=block_m, EXPERTS_FP8=experts_fp8,
+        TOP_K=top_k, BLOCK_E=next_power_of_2(E),
+        BLOCK_T=max(RANK_CHUNK, next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
+        BLOCK_COUNTERS=next_power_of_2(num_counters), BLOCK_M=block_m, EXPERTS_FP8=experts_fp8,
         PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
         h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(), w2_s, sd_s,
-        TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k), P_BLOCK=max(16, triton.next_power_of_2(P)),
+        TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), P_BLOCK=max(16, next_power_of_2(P)),
         BLOCK_M=block_m, EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return out
@@ -800,19 +800,19 @@ def moe_block_gemv(
     E, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     up, down = config["up"], config["down"]
-    block_top = triton.next_power_of_2(top_k)
+    block_top = next_power_of_2(top_k)
     w13_scale, w2_scale, shared_down_scale = scales
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
-    _moe_up_gemv_kernel[(triton.cdiv(I, up["BLOCK_N"]), top_k)](
+    _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), top_k)](
         x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
-        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=triton.next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
         SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
-    _moe_down_gemv_kernel[(triton.cdiv(H, down["BLOCK_N"]),)](
+    _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=triton.next_power_of_2(IS),
+        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=next_power_of_2(IS),
         SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on,
         launch_pdl=on, **down,
     )  # fmt: skip
@@ -990,14 +990,14 @@ def routed_partials_into(
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     sorted_pairs, ends = align_pairs(ids, E, block_m)
-    num_blocks, block_e = sorted_pairs.numel() // block_m, triton.next_power_of_2(E)
+    num_blocks, block_e = sorted_pairs.numel() // block_m, next_power_of_2(E)
     x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
-    _moe_up_sorted_kernel[(triton.cdiv(I, up["BLOCK_N"]), num_blocks)](
+    _moe_up_sorted_kernel[(cdiv(I, up["BLOCK_N"]), num_blocks)](
         x_a, w13, h, sorted_pairs, ends, P, E, H, I, w13_s, x_s,
         TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **up,
     )  # fmt: skip
     h_a, h_s = quantize_activations(h) if fp8 else (h, h)
-    _moe_down_sorted_kernel[(triton.cdiv(H, down["BLOCK_N"]), num_blocks)](
+    _moe_down_sorted_kernel[(cdiv(H, down["BLOCK_N"]), num_blocks)](
         h_a, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s, h_s,
         BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **down,
     )  # fmt: skip
@@ -1044,12 +1044,12 @@ def moe_block_prefill(
     down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
     Is = gate.shape[1]
     act = torch.empty((M, Is), dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(M, triton.cdiv(Is, COMBINE_BLOCK_H))](
+    _silu_mul_kernel[(M, cdiv(Is, COMBINE_BLOCK_H))](
         gate, up, act, Is, gate.stride(0), up.stride(0), BLOCK=COMBINE_BLOCK_H
     )
     shared = F.linear(act, down)
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    _combine_kernel[(M, triton.cdiv(H, COMBINE_BLOCK_H))](
+    _combine_kernel[(M, cdiv(H, COMBINE_BLOCK_H))](
         partials, shared, gate_logit, out, H, gate_logit.stride(0), TOP_K=top_k, BLOCK_H=COMBINE_BLOCK_H
     )
     return out

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.launch import fast_launch
+from kernels.launch import fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 
@@ -22,7 +22,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_config(n: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     return block, min(max(block // 256, 1), 16)  # ~8 elements per thread for wide rows
 
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.launch import fast_launch
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.sampling.naive import INVALID_TOKEN
 
@@ -883,22 +883,22 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         bins = (16 if B < 64 else 4) if logits.is_cuda else 16
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if block is None:
-        block = min(2048, triton.next_power_of_2(V))
+        block = min(2048, next_power_of_2(V))
     block_c = min(block, 1024)  # launch 2 keeps more per slot: 4 tokens per thread (88 registers on sm_90)
     block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
     if cap is None:  # the list never needs more than V slots
-        cap = max(2, min(1024, triton.next_power_of_2(V)))
+        cap = max(2, min(1024, next_power_of_2(V)))
     assert cap >= 2 and cap & (cap - 1) == 0, "cap must be a power of 2 (the finish's sorting network)"
     log_cap = cap.bit_length() - 1
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         tile = max(block * nt, cap * 4, block_r * bins, nt * 32)  # the largest [R, ., .] tile of the kernels, per row
-        rows = 1 if logits.is_cuda else min(triton.next_power_of_2(B), max(1, 2**20 // tile))
+        rows = 1 if logits.is_cuda else min(next_power_of_2(B), max(1, 2**20 // tile))
     if split is None:  # spread every pass over ~2048 programs (bytes in flight), chunks of at least a block
-        split = min(SPLIT_MAX, triton.cdiv(2048, B * rows), triton.cdiv(V, block)) if logits.is_cuda else 1
+        split = min(SPLIT_MAX, cdiv(2048, B * rows), cdiv(V, block)) if logits.is_cuda else 1
     assert 1 <= split <= SPLIT_MAX
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
-    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
+    chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     device = logits.device
     part_f = torch.empty(B, split, N_STATS_F.value, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
@@ -915,11 +915,11 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
     steps = rounds + 1  # the rounds, then the race
     counters = torch.empty(N_COUNTERS.value + steps, B, dtype=torch.int32, device=device)  # zeroed by launch 1
-    blocks = triton.cdiv(B, rows)
+    blocks = cdiv(B, rows)
     grid = (blocks, split)
     on = pdl(logits)
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
-    SPLIT = triton.next_power_of_2(split)
+    SPLIT = next_power_of_2(split)
     _stats_kernel[grid](
         logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters,
         counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, **opts,
@@ -939,14 +939,14 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     else:  # the interpreter runs a program to its end before the next: a wait for a sibling would never end
         assert logits.is_cuda or split == 1 or not persistent, "waiting inside on the CPU needs split = 1"
         split_r = split
-    chunk_r = triton.cdiv(triton.cdiv(V, split_r), block)
+    chunk_r = cdiv(cdiv(V, split_r), block)
     per_launch = steps if persistent else 1
     for first in range(0, steps, per_launch):
         _resolve_kernel[(blocks, split_r)](
             logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
             buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split_r, chunk_r, first, per_launch,
             R=rows, BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap,
-            SPLIT=triton.next_power_of_2(split_r), PERSISTENT=persistent, **opts,
+            SPLIT=next_power_of_2(split_r), PERSISTENT=persistent, **opts,
         )  # fmt: skip
     return out
 
@@ -1012,26 +1012,26 @@ def launch_greedy(
     if B == 0:
         return out
     if block is None:
-        block = min(2048, triton.next_power_of_2(V))
+        block = min(2048, next_power_of_2(V))
     if split is None:
-        split = min(GREEDY_SPLIT_MAX, triton.cdiv(8192, B), triton.cdiv(V, block)) if logits.is_cuda else 1
+        split = min(GREEDY_SPLIT_MAX, cdiv(8192, B), cdiv(V, block)) if logits.is_cuda else 1
     if num_warps is None:
         num_warps = 8 if logits.is_cuda else 1
-    chunk_blocks = triton.cdiv(triton.cdiv(V, split), block)  # chunk length in blocks
+    chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks
     part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(split, B)](
         logits, logits.stride(0), B, V, part_max, part_idx, split, chunk_blocks, BLOCK=block, num_warps=num_warps
     )
-    rows = 16 if logits.is_cuda else min(triton.next_power_of_2(B), 64)
-    _combine_argmax_kernel[(triton.cdiv(B, rows),)](
+    rows = 16 if logits.is_cuda else min(next_power_of_2(B), 64)
+    _combine_argmax_kernel[(cdiv(B, rows),)](
         part_max,
         part_idx,
         out,
         B,
         split,
         R=rows,
-        SPLIT=triton.next_power_of_2(split),
+        SPLIT=next_power_of_2(split),
         num_warps=4 if logits.is_cuda else 1,
     )
     return out

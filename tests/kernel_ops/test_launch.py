@@ -27,6 +27,16 @@ def copy(x, scale=2.0, block=64, num_warps=4):
     return out
 
 
+def test_host_grid_arithmetic_is_tritons():
+    """launch.cdiv and launch.next_power_of_2 (plain Python for the launchers: Triton's are ConstexprFunctions,
+    ~2 us a host call) give Triton's results, zero, negatives, powers of two and 64-bit sizes included."""
+    sizes = [*range(-4, 1100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 7, 248320, 12352]
+    for n in sizes:
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 7, 16, 128, 1000):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_interpreter_runs_kernels_unwrapped():
     """Under TRITON_INTERPRET=1 (the CPU suite) or QMOE_FAST_LAUNCH=0 the decorator returns the kernel itself."""
     if os.environ.get("TRITON_INTERPRET") == "1":
