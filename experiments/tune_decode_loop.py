@@ -23,6 +23,7 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
 
     PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
         [--weights fp8 --out results/tune_decode_loop_fp8.json] [--skip-descent: parts only] [--step-only]
+        [--only gdn_in out_proj moe_up ...: the descent over these entries alone]
 """
 
 import argparse
@@ -64,7 +65,8 @@ GEMV_CANDIDATES = {
            *PERSISTENT_CANDIDATES[4096], *CAPPED_CANDIDATES[4096]],
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): at 8 x 512 the up kernel takes 130 registers (sm_90), 3
-# programs per SM, so its 512 programs run in two waves; capped at 128 they fit one
+# programs per SM, so its 512 programs run in two waves; capped at 128 they fit one (in the step: within noise,
+# results/tune_decode_loop_capped.json)
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
                      (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 512, 4, 1, 128)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
@@ -211,7 +213,7 @@ def gemv_config(c) -> dict:
 
 
 def moe_part(c) -> dict:
-    cap = {"maxnreg": c[4]} if len(c) > 4 else {}  # a launch option: registers per thread
+    cap = {linear_triton.MAXNREG_KEY: c[4]} if len(c) > 4 else {}  # a launch option: registers per thread
     return dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3], **cap)
 
 

@@ -185,7 +185,7 @@ norm_arrivals = ArrivalCounters()
 
 
 # Value splits are added only below this many programs. Measured in the 35B decode step (H200, the in-loop descent
-# of experiments/tune_decode_loop.py, results/tune_decode_loop.json at 1c74970): 32 heads x 1 split on 4 warps
+# of experiments/tune_decode_loop.py, results/tune_decode_loop.json at 09dba6c): 32 heads x 1 split on 4 warps
 # 2.097 ms against 2.107 for 4 splits (the old rule: splits until the grid covered the 132 SMs) and 2.111 for 2:
 # a split head pays an arrival counter and a second pass for its gated norm, more than the state it shares out.
 MIN_DECODE_PROGRAMS = 32

@@ -44,7 +44,9 @@ per 128-column sub-step to that sub-step's summed products, so a step keeps BLOC
 round trip per 128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one
 [BLOCK_N, Is] tile, take a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes
 on the torch path.
-Launch configs come from configs/<gpu>.json (experiments/tune_moe.py), keyed by (E, H, I, weight dtype, M bucket);
+Launch configs come from configs/<gpu>.json (experiments/tune_moe.py, tune_decode_loop.py), keyed by (E, H, I, weight
+dtype, M bucket); each kernel's part holds BLOCK_N, BLOCK_K, num_warps, num_stages and optionally maxnreg (Triton's
+register cap per thread, a launch option);
 QMOE_MOE_DEFAULT_CONFIGS=1 or an unknown GPU uses DEFAULT_CONFIGS. Nothing autotunes at run time.
 """
 

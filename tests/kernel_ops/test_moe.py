@@ -176,6 +176,15 @@ def test_moe_block_gemv(H, E, I, Is, K, reason, dtype):
     torch.testing.assert_close(scratch["f32"], ref_w.flatten())
 
 
+def test_moe_block_gemv_takes_a_register_cap():
+    """A config part's maxnreg (Triton's register cap, as the H200 table's MoE up entry has) is a launch option
+    the GEMV kernels take; the block stays right."""
+    capped = {**GEMV_SMALL, "up": {**GEMV_SMALL["up"], "maxnreg": 128}, "down": {**GEMV_SMALL["down"], "maxnreg": 96}}
+    args = block_args(1, 47, 13, 23, 17, torch.float32, seed=4)
+    out = moe.moe_block_decode(*args, 3, config=capped, scratch=decode_poisoned(args[0], 23, 3, capped))
+    assert rel_err(out, block_reference(args, 3)) < TOL[torch.float32]
+
+
 def test_moe_block_gemv_routes_ties_like_the_reference():
     """Exact ties inside the top k: the k-th slot must hold the same expert in the up kernel, in the routing it
     hands over and in the reference (lower id first), or the down kernel applies one expert's rows to another's h."""
