@@ -16,7 +16,8 @@ if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then  # installed once p
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 log="$OUT/session.log"
-export QMOE_GIT_COMMIT=${QMOE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
+# Pass QMOE_GIT_COMMIT=<the commit that runs>: the device's .git can be the session's start while the tree is newer
+# (seen 2026-12-03: rev-parse printed f22f8bf for 09dba6c's code). Unset, the results say HEAD-dirty.
 status=()
 run_stage() {
   local name=$1; shift
