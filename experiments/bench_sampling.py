@@ -21,7 +21,9 @@ worst shape of the target mode, the worst case of every mode run at that B (the 
 met / missed with the factor.
 
     PYTHONPATH=. python experiments/bench_sampling.py [--out results/bench_sampling.json] [--quick] [--target-only]
-    (--quick: B = 1 and 256; --target-only: greedy and the target mode, no other modes or bins sweep. A line per
+        [--batch B ...]
+    (--quick: B = 1 and 256; --batch: those B; --target-only: greedy and the target mode, no other modes or bins
+    sweep. A line per
     case as it finishes, and the JSON so far after each case, "complete": false until the end: a run cut short by a
     time limit still leaves its rows)
     TRITON_INTERPRET=1 PYTHONPATH=. python experiments/bench_sampling.py --vocab 256 --quick --out /tmp/b.json
@@ -237,13 +239,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/bench_sampling.json")
     parser.add_argument("--quick", action="store_true", help="B = 1 and 256 only")
+    parser.add_argument("--batch", type=int, nargs="+", choices=BATCHES, help="these B only (a device call each: "
+                        "the whole family did not finish in 230 s)")  # fmt: skip
     parser.add_argument("--target-only", action="store_true", help="greedy and the target mode only (no other modes,"
                         " no bins sweep)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB, help="smaller only for CPU smoke runs of the script")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V = args.vocab
-    batches = (1, 256) if args.quick else BATCHES
+    batches = tuple(args.batch) if args.batch else (1, 256) if args.quick else BATCHES
     start = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs(device)
     runs = [
