@@ -77,16 +77,13 @@ def occupancy(registers: int, shared: int, num_warps: int, programs: int) -> dic
 def kernels_35b() -> dict:
     """name -> (kernel, constexprs, pointer types, num_warps, num_stages, maxnreg, programs) at the 35B shapes, H200
     configs."""
-    gemv = h200_entry(linear, linear.shape_key(1281, 2048, torch.bfloat16))
-    (moe_in_programs, *_), _, _, meta = linear.make_plan(1, 1281, 2048, gemv, num_sms=SMS)
-    warps, stages, cap = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
     table = h200_entry(moe, moe.shape_key(256, 2048, 512, torch.bfloat16))
     up, down = table["up"], table["down"]
     att = dict(attention._decode_config(8, 256, 4, torch.bfloat16))
     att_warps, att_stages = att.pop("num_warps"), att.pop("num_stages")
     rows = {}
     for what, (N, K, norm) in {"gdn_in": (12352, 2048, True), "attn_qkv": (9216, 2048, True),
-                               "out_proj": (2048, 4096, False)}.items():  # fmt: skip
+                               "out_proj": (2048, 4096, False), "moe_in": (1281, 2048, True)}.items():  # fmt: skip
         (programs, *_), _, _, meta = linear.make_plan(
             1, N, K, h200_entry(linear, linear.shape_key(N, K, torch.bfloat16)), num_sms=SMS
         )  # fmt: skip
@@ -98,10 +95,6 @@ def kernels_35b() -> dict:
             programs,
         )  # fmt: skip
     return rows | {
-        "moe_in (add + RMSNorm + GEMV, N 1281)": (
-            linear._linear_kernel, {**meta, "NORM": True, "PDL": True}, {"xs_ptr": "*fp32"}, warps, stages, cap,
-            moe_in_programs,
-        ),
         "moe up (routing + expert gate/up GEMV)": (
             moe._moe_up_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
