@@ -60,6 +60,7 @@ KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
 # the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
 SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SPLIT_MAX = 128  # programs per row, at most
+GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): top-k's list threshold for k <= this
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, `split` programs)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
@@ -140,12 +141,13 @@ N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 @fast_launch
 @triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, counter_ptr, n_counters, split,
-    chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, part_g_ptr, counter_ptr, n_counters,
+    split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I);
-    zeroes the rows' counters (counter_ptr [n_counters, B]). Every statistic is kept per slot of the block and
-    reduced once after the loop (no cross-warp reduction inside it)."""
+    """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
+    and the maxima of G groups of the chunk's slots -> part_g [B, split, G] (G = 0: none); zeroes the rows'
+    counters (counter_ptr [n_counters, B]). Every statistic is kept per slot of the block and reduced once after
+    the loop (no cross-warp reduction inside it)."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -201,6 +203,10 @@ def _stats_kernel(
     tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
     tl.store(part_i_ptr + part + 1, tl.sum(n_finite, 1), mask=row_ok)
     tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
+    if G > 0:  # group g: slots g * BLOCK / G .. (g + 1) * BLOCK / G - 1 (each a token of every block of the chunk)
+        g = tl.arange(0, G)
+        group_max = tl.max(tl.reshape(best, (R, G, BLOCK // G)), 2)  # [R, G]
+        tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
     first_chunk = row_ok & (rows * 0 + chunk == 0)
     for i in range(n_counters):  # nothing persists between calls
         tl.store(counter_ptr + i * B + rows, tl.zeros((R,), tl.int32), mask=first_chunk)
@@ -307,6 +313,24 @@ def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, to
     spec = tl.where(k_on, _normal_threshold(mean, std, n_finite, want), spec)
     spec = tl.where(spec == spec, spec, x_min)
     return tl.where(filtered, tl.minimum(tl.maximum(spec, x_min), m), float("inf"))  # the max is always kept
+
+
+@triton.jit
+def _group_bound(part_g_ptr, rows, row_ok, split, top_k, k_on, G: tl.constexpr, SPLIT: tl.constexpr):
+    """Top-k's list threshold from the stats launch's group maxima: the k-th largest of the row's split * G group
+    maxima (ties counted) -> (s [R], rows it holds for: k_on and k <= split * G). Each of the k groups whose max
+    is >= s holds a token >= s, so at least k tokens are >= s: s is at or below the k-th largest logit, and the
+    gather at s holds top-k's cut. Only tokens of groups whose max is >= s pass it (each group holds V / (split
+    * G) of the row), so the list stays short (a few hundred tokens on every benchmark shape at k = 50, without
+    counting a threshold per token)."""
+    UN: tl.constexpr = SPLIT * G
+    u = tl.arange(0, UN)
+    valid = row_ok[:, None] & (u < split * G)[None, :]
+    maxima = tl.load(part_g_ptr + rows[:, None] * (split * G) + u[None, :], mask=valid, other=float("-inf"))
+    # ge[i]: how many maxima are >= maxima[i]; the largest maximum with ge >= k is the k-th largest
+    ge = tl.sum((maxima[:, None, :] >= maxima[:, :, None]).to(tl.int32), 2)  # [R, UN]
+    s = tl.max(tl.where(ge.to(tl.int64) >= top_k[:, None], maxima, float("-inf")), 1)
+    return s, k_on & (top_k <= split * G)
 
 
 @triton.jit
@@ -429,8 +453,9 @@ PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within 
 PHASE_RACE = tl.constexpr(3)  # the cut is known: the race draws the token (then PHASE_NONE)
 PHASE_REGATHER = tl.constexpr(4)  # launch 3 regathers x >= F_S and finishes the row
 # int64 columns: phase, bracket, cut (the kept keys are >= it), k (0: off), key of the max, rounds run per phase,
-# the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it)
-S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH = (tl.constexpr(i) for i in range(9))
+# the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it), the key of launch 2's
+# list threshold
+S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH, S_SPEC = (tl.constexpr(i) for i in range(10))
 PATH_STATS = tl.constexpr(0)  # greedy, NaN, all -inf or +inf rows: the stats' answer
 PATH_LIST = tl.constexpr(2)  # the speculative gather held the cut: finished by launch 2
 PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a regather at a counted threshold
@@ -439,16 +464,17 @@ PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over mo
 # fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: set by the first top-p round), min_p
 # (0: off), the regather threshold, the row's sum of p
 F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P, F_S, F_TOTAL = (tl.constexpr(i) for i in range(7))
-N_STATE = tl.constexpr(9)
+N_STATE = tl.constexpr(10)
 
 
 @triton.jit
 def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec,
-                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP: tl.constexpr,
+                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, bounded, CAP: tl.constexpr,
                    NT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """The partials of launch 2 summed in chunk order by the row's last program -> (list size, rows whose list
     holds the cut, rows to regather and the threshold, rows for the radix rounds and their bracket [lo, hi] of
-    keys)."""
+    keys). A `bounded` row (its list threshold at or below the cut, _group_bound) counted no thresholds: if its
+    list overflowed, the rounds start from [spec, max]."""
     SW: tl.constexpr = NT + 1
     sp = tl.arange(0, SPLIT)
     j = tl.arange(0, NT)
@@ -477,7 +503,7 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     )
     usable = below_cut & (cnt <= CAP)
     s = tl.max(tl.where(usable, thr, float("-inf")), 1)  # the highest usable threshold: the fewest tokens
-    regather = last & filtered & ~listed & (s > float("-inf"))
+    regather = last & filtered & ~listed & ~bounded & (s > float("-inf"))
     radix = last & filtered & ~listed & ~regather
     # the radix bracket: between the highest threshold at or below the cut and the lowest one above it
     at_or_below = tl.where(k_on[:, None], cnt >= top_k[:, None], mass >= (top_p * total)[:, None])
@@ -485,7 +511,8 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     hi_x = tl.min(tl.where(at_or_below, float("inf"), thr), 1)
     lo = _ordered_key(lo_x + 0.0).to(tl.int64)
     hi = tl.where(hi_x < float("inf"), _ordered_key(hi_x + 0.0).to(tl.int64) - 1, _ordered_key(m).to(tl.int64))
-    hi = tl.maximum(hi, lo)
+    lo = tl.where(bounded, _ordered_key(spec + 0.0).to(tl.int64), lo)
+    hi = tl.maximum(tl.where(bounded, _ordered_key(m).to(tl.int64), hi), lo)
     return n_list, listed, regather, s, radix, lo, hi
 
 
@@ -495,15 +522,16 @@ def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
-    state_i_ptr, state_f_ptr, split, chunk_blocks,
+    part_f_ptr, part_i_ptr, part_g_ptr, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr,
+    out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
-    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. One pass over this chunk: filtered rows gather x >= spec into their list and count (top-p without
-    top-k: also weigh) x >= t_j at NT thresholds. The row's last program to arrive finishes the rows whose list
-    holds the cut, writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN
-    for the rows still open)."""
+    """2. One pass over this chunk: filtered rows gather x >= spec into their list; unless every row of the
+    program is bounded (top-k with k <= split * G: its spec is at or below the cut, _group_bound), they also count
+    (top-p without top-k: also weigh) x >= t_j at NT thresholds. The row's last program to arrive finishes the
+    rows whose list holds the cut, writes the others' state (regather, radix rounds, race) and every row's token
+    (INVALID_TOKEN for the rows still open)."""
     allow_dependents(PDL)
     chunk = tl.program_id(1)
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
@@ -518,6 +546,12 @@ def _gather_count_kernel(
                               min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
     spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                   mp_on, filtered, CAP)  # fmt: skip
+    if G > 0:
+        s_group, bounded = _group_bound(part_g_ptr, rows, row_ok, split, top_k, k_on, G, SPLIT)
+        spec = tl.where(bounded, tl.minimum(tl.maximum(s_group, x_min), m), spec)
+    else:
+        bounded = k_on & False
+    counting = tl.max((filtered & ~bounded).to(tl.int32)) > 0  # the thresholds only decide for unbounded rows
     thr = _count_thresholds(
         m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT
     )  # [R, NT], decreasing
@@ -537,13 +571,15 @@ def _gather_count_kernel(
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
         take = (x >= spec[:, None]) & msk
-        _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
-        passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
-        cnt_slots += passed.to(tl.int32)
-        if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
-            p = tl.exp2((x - m[:, None]) * c[:, None])
-            mass_spec += tl.where(take, p, 0.0)
-            mass_slots += tl.where(passed, p[:, :, None], 0.0)
+        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
+            _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
+        if counting:
+            passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
+            cnt_slots += passed.to(tl.int32)
+            if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
+                p = tl.exp2((x - m[:, None]) * c[:, None])
+                mass_spec += tl.where(take, p, 0.0)
+                mass_slots += tl.where(passed, p[:, :, None], 0.0)
     cnt = tl.sum(cnt_slots, 1)  # [R, NT]
     mass = tl.sum(mass_slots, 1)
     tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
@@ -557,7 +593,7 @@ def _gather_count_kernel(
         step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
         n_list, listed, regather, s, radix, lo, hi = _count_outcome(
             search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
-            top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
+            top_p, min_p, k_on, p_on, mp_on, filtered, bounded, CAP, NT, SPLIT,
         )  # fmt: skip
         if tl.max(listed.to(tl.int32)) > 0:
             drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
@@ -580,6 +616,7 @@ def _gather_count_kernel(
         path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_REGATHER, PATH_REGATHER, PATH_RADIX))
         path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
         tl.store(st + S_PATH, path.to(tl.int64), mask=last)
+        tl.store(st + S_SPEC, _ordered_key(spec + 0.0).to(tl.int64), mask=last)
         sf = state_f_ptr + rows * N_STATE
         tl.store(sf + F_M, m, mask=last)
         tl.store(sf + F_C, c, mask=last)
@@ -859,8 +896,16 @@ def rounds_per_phase(bins: int) -> int:
     return rounds
 
 
+def group_count(groups: int, split: int, block: int) -> int:
+    """Group maxima per program of the stats launch: a power of 2, groups // split of them (at least 1), at most
+    a block's slots (a group is a set of slots); 0 when groups is 0 (no top-k bound)."""
+    if groups == 0:
+        return 0
+    return min(1 << (max(1, groups // split).bit_length() - 1), block)
+
+
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None, persistent=None):  # fmt: skip
+           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -871,7 +916,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     rows to the regather and the radix rounds and set split on the CPU.
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
-    per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks."""
+    per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
+    groups (group maxima per row, about: top-k rows with k up to that many take their list threshold from them
+    and count no thresholds; 0: never) is both."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -890,18 +937,22 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         cap = max(2, min(1024, next_power_of_2(V)))
     assert cap >= 2 and cap & (cap - 1) == 0, "cap must be a power of 2 (the finish's sorting network)"
     log_cap = cap.bit_length() - 1
-    if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
-        tile = max(block * nt, cap * 4, block_r * bins, nt * 32)  # the largest [R, ., .] tile of the kernels, per row
-        rows = 1 if logits.is_cuda else min(next_power_of_2(B), max(1, 2**20 // tile))
-    if split is None:  # spread every pass over ~2048 programs (bytes in flight), chunks of at least a block
-        split = min(SPLIT_MAX, cdiv(2048, B * rows), cdiv(V, block)) if logits.is_cuda else 1
+    if split is None and logits.is_cuda:  # spread every pass over ~2048 programs (bytes in flight), chunks of at
+        split = min(SPLIT_MAX, cdiv(2048, B), cdiv(V, block))  # least a block (one row per program on the GPU)
+    split = 1 if split is None else split
     assert 1 <= split <= SPLIT_MAX
+    n_groups = group_count(groups, split, block)
+    if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
+        # the largest [R, ., .] tile of the kernels, per row
+        tile = max(block * nt, cap * 4, block_r * bins, nt * 32, (next_power_of_2(split) * n_groups) ** 2)
+        rows = 1 if logits.is_cuda else min(next_power_of_2(B), max(1, 2**20 // tile))
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     device = logits.device
     part_f = torch.empty(B, split, N_STATS_F.value, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
+    part_g = torch.empty(B, split, max(n_groups, 1), dtype=torch.float32, device=device)
     search_f = torch.empty(B, split, nt + 1, dtype=torch.float32, device=device)
     search_i = torch.empty(B, split, nt + 1, dtype=torch.int32, device=device)
     buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
@@ -921,14 +972,14 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
     SPLIT = next_power_of_2(split)
     _stats_kernel[grid](
-        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, counters,
-        counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, **opts,
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, part_g, counters,
+        counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups, **opts,
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
     _gather_count_kernel[grid](
-        logits, logits.stride(0), B, V, *params, part_f, part_i, search_f, search_i, buf_val, buf_idx, counters,
-        out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
-        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, **opts,
+        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, search_f, search_i, buf_val, buf_idx,
+        counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
+        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
