@@ -2,7 +2,7 @@
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
-#         bench_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
+#         bench_sampling (its options in $SAMPLING_ARGS), profile_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
 #         bench_checkpoint_fp8, runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_fp8_prefill (pre-pass + linear FP8 x FP8 tiles vs cuBLAS bf16, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), profile_loop (the graphed step kernel by kernel), ab / ab_fp8 (the step with
 #         the op files of $AB_VARIANTS, experiments/ab_decode_step.py), tune_loop (+ in-loop config
 #         descent, tables written), tune_loop_fp8 (the same for the FP8 model), run_122b_fp8 (122B-A10B FP8 on one GPU), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
@@ -10,6 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/qmoe_out}
+SAMPLING_ARGS=${SAMPLING_ARGS:-}
 mkdir -p "$OUT" results
 if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then  # installed once per machine (parallel sessions)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -48,7 +49,8 @@ except Exception as e:
     bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ;;
     tune_gemv) run_stage tune_gemv python3 experiments/tune_gemv.py ;;
     bench_gemv) run_stage bench_gemv python3 experiments/bench_gemv.py ;;
-    bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py ;;
+    bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py $SAMPLING_ARGS ;;
+    profile_sampling) STAGE_TIMEOUT=200 run_stage profile_sampling python3 experiments/profile_sampling.py ;;
     bench_gdn) run_stage bench_gdn python3 experiments/bench_gdn.py ;;
     tune_attention) run_stage tune_attention python3 experiments/tune_attention.py ;;
     bench_attention) run_stage bench_attention python3 experiments/bench_attention.py ;;

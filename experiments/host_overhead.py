@@ -44,8 +44,11 @@ def main():
     out = torch.empty(1, 2048, device=dev, dtype=dt)
     grid, split, k_per_split, meta = linear_triton.cached_plan(1, 2048, 4096, dt, h.device)
     on = pdl(h)
-    launch_args = (h, w, out, w, w, 1, 2048, 4096, h.stride(0), w.stride(0), 0, 0, k_per_split, split,
-                   h, h, h, h, h.stride(0), 0.0)  # fmt: skip
+    assert not meta.get("PERSISTENT"), "out_proj's table entry is expected on _linear_kernel"
+    # _linear_kernel's arguments in order, as linear_into passes them (no scales, no norm, no fp8 x)
+    launch_args = (h, w, out, w, 1, 2048, 4096, h.stride(0), w.stride(0), 0, k_per_split, split,
+                   h, h, h, h, h.stride(0), 0.0, w, 0)  # fmt: skip
+    assert len(launch_args) == len([n for n in linear_triton._linear_kernel.arg_names if n not in meta]) - 2
     compiled = linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
     rows = {
         "linear (the op, eager)": per_call_us(lambda: linear_triton.linear(h, w)),
