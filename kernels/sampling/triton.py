@@ -61,7 +61,8 @@ KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
 SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SPLIT_MAX = 128  # programs per row, at most
 GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): top-k's list threshold for k <= this
-MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, `split` programs)
+MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
+STEP_PROGRAMS_PER_SM = 4  # launch 3's programs per SM when it is a launch per step (2 resident at its registers)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
@@ -516,6 +517,46 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     return n_list, listed, regather, s, radix, lo, hi
 
 
+@triton.jit
+def _gather_pass(base, x_next, start, stop, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr,
+                 CAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Launch 2's pass when every filtered row of the program is bounded: each x >= spec into its row's list,
+    nothing counted. Its blocks are 4 of the counting pass's (x_next: the first, loaded already): launch 2's
+    registers (the counting pass's) leave one program per SM, and 2 blocks of 1024 tokens in flight per program
+    held the B = 256 pass at ~0.6 TB/s (profile_sampling at 2afaede)."""
+    for off in range(start, stop, BLOCK):
+        x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
+        take = (x >= spec[:, None]) & msk
+        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
+            _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+
+
+@triton.jit
+def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtered, use_mass, list_ptr, buf_val_ptr,
+                       buf_idx_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+    """Launch 2's pass with the thresholds: each x >= spec into its row's list, and per row the count (top-p
+    without top-k, use_mass: also the mass) of x >= thr[j] and the mass of the listed x -> ([R, NT], [R, NT],
+    [R]). Per slot and threshold, reduced across threads once after the loop (as in the radix rounds): the same
+    time as a tl.histogram of each token's bucket for counts, and top-p's masses without one cross-thread
+    reduction per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696:
+    results/probe_sampling_count.json)."""
+    cnt_slots = tl.zeros((rows.shape[0], BLOCK, NT), tl.int32)
+    mass_slots = tl.zeros((rows.shape[0], BLOCK, NT), tl.float32)
+    mass_spec = tl.zeros((rows.shape[0], BLOCK), tl.float32)
+    for off in range(start, stop, BLOCK):
+        x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
+        take = (x >= spec[:, None]) & msk
+        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
+            _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
+        cnt_slots += passed.to(tl.int32)
+        if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            mass_spec += tl.where(take, p, 0.0)
+            mass_slots += tl.where(passed, p[:, :, None], 0.0)
+    return tl.sum(cnt_slots, 1), tl.sum(mass_slots, 1), tl.sum(mass_spec, 1)
+
+
 @fast_launch
 @triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
 def _gather_count_kernel(
@@ -539,8 +580,10 @@ def _gather_count_kernel(
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
     # the first block's load goes out with the row stats' loads (after the wait: launch 1's own wait is what
-    # orders the logits' writer before us), so its round trip overlaps the setup's
-    x_first = _load_block(base, start, end, rows < B, BLOCK)
+    # orders the logits' writer before us), so its round trip overlaps the setup's (the counting pass, for rows
+    # that need it, loads its own smaller first block again, from L2)
+    LEAN: tl.constexpr = 4 * BLOCK  # the gather-only pass's block (_gather_pass)
+    x_first = _load_block(base, start, end, rows < B, LEAN)
     (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
      unfiltered) = _row_setup(rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
                               min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
@@ -556,35 +599,25 @@ def _gather_count_kernel(
         m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT
     )  # [R, NT], decreasing
     j = tl.arange(0, NT)
-    use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
-    # per slot and threshold, reduced across threads once after the loop (as in the radix rounds): the same time
-    # as a tl.histogram of each token's bucket for counts, and top-p's masses without one cross-thread reduction
-    # per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696:
-    # results/probe_sampling_count.json)
-    cnt_slots = tl.zeros((R, BLOCK, NT), tl.int32)
-    mass_slots = tl.zeros((R, BLOCK, NT), tl.float32)
-    mass_spec = tl.zeros((R, BLOCK), tl.float32)
     SW: tl.constexpr = NT + 1
     sbase = (rows * split + chunk) * SW  # this chunk's partials
     stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, end, start)  # else no pass
-    x_next = tl.where(filtered[:, None], x_first, float("-inf"))  # active rows have no NaN
-    for off in range(start, stop, BLOCK):
-        x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        take = (x >= spec[:, None]) & msk
-        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
-            _gather_block(x, cols, take, rows, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP)
-        if counting:
-            passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
-            cnt_slots += passed.to(tl.int32)
-            if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
-                p = tl.exp2((x - m[:, None]) * c[:, None])
-                mass_spec += tl.where(take, p, 0.0)
-                mass_slots += tl.where(passed, p[:, :, None], 0.0)
-    cnt = tl.sum(cnt_slots, 1)  # [R, NT]
-    mass = tl.sum(mass_slots, 1)
+    list_ptr = counter_ptr + C_COUNT_LIST * B
+    if counting:
+        use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
+        cnt, mass, mass_spec = _gather_count_pass(
+            base, _load_block(base, start, stop, filtered, BLOCK), start, stop, spec, thr, m, c, rows, filtered,
+            use_mass, list_ptr, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
+        )  # fmt: skip
+    else:
+        _gather_pass(base, tl.where(filtered[:, None], x_first, float("-inf")), start, stop, spec, rows, filtered,
+                     list_ptr, buf_val_ptr, buf_idx_ptr, CAP, LEAN)  # fmt: skip
+        cnt = tl.zeros((R, NT), tl.int32)
+        mass = tl.zeros((R, NT), tl.float32)
+        mass_spec = tl.zeros((R,), tl.float32)
     tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
     tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
-    tl.store(search_f_ptr + sbase + NT, tl.sum(mass_spec, 1), mask=row_ok)
+    tl.store(search_f_ptr + sbase + NT, mass_spec, mask=row_ok)
     tl.debug_barrier()  # every thread's stores before the release below
     arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
     last = row_ok & (arrived == split - 1)  # the row's last program to arrive decides for it
@@ -876,11 +909,15 @@ def _resolve_kernel(
 def resolve_plan(blocks: int, split: int, sms: int) -> tuple[bool, int]:
     """(launch 3 waits inside, its programs per row) for `blocks` row blocks of `split` chunks on `sms` SMs (0:
     the CPU interpreter): waiting needs the whole grid resident, one program per SM, with >= MIN_SPLIT_R programs
-    per row (or all `split` of them)."""
+    per row (or all `split` of them). A launch per step has about STEP_PROGRAMS_PER_SM programs per SM (at most
+    `split` per row): a step that no row needs costs its grid's launch (33 such steps with 2,048 programs each took
+    163 us at B = 256, profile_sampling at 2afaede), and a round that rows need fills the GPU with that many."""
+    if sms == 0:
+        return False, split
     split_r = min(split, sms // blocks)
     if split_r >= min(split, MIN_SPLIT_R):  # split >= 1: never 0 programs
         return True, split_r
-    return False, split
+    return False, max(1, min(split, cdiv(STEP_PROGRAMS_PER_SM * sms, blocks)))
 
 
 @functools.cache

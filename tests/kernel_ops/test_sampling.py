@@ -512,7 +512,9 @@ def test_waiting_launch_matches_a_launch_per_step(bins):
         (1, 122, 132, (True, 122)),  # B = 1 on the H200: the whole grid resident, one launch
         (8, 128, 132, (True, 16)),  # fewer programs per row, still one launch
         (16, 128, 132, (True, 8)),  # the last batch with MIN_SPLIT_R programs per row
-        (17, 121, 132, (False, 121)),  # a launch per step, every chunk its program
+        (17, 121, 132, (False, 32)),  # a launch per step, ~4 programs per SM: 32 per row (a chunk of 4 blocks)
+        (256, 8, 132, (False, 3)),  # B = 256: 768 programs a step, not 2048
+        (2048, 1, 132, (False, 1)),  # never fewer than one per row
         (4, 1, 132, (True, 1)),  # a row of one chunk needs no program to wait for another
         (1, 3, 0, (False, 3)),  # the CPU interpreter runs programs one after another: never wait
     ],
