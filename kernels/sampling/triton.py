@@ -162,7 +162,12 @@ def _stats_kernel(
     best = tl.full((R, BLOCK), float("-inf"), tl.float32)  # per slot: max, its earliest index, NaN seen
     best_idx = tl.zeros((R, BLOCK), tl.int32) + V
     nan_slots = tl.zeros((R, BLOCK), tl.int32)
-    total = tl.zeros((R, BLOCK), tl.float32)  # sum of exp2((x - ref) * c), ref = the slot's max (0 if infinite)
+    # the sum of p per slot, relative to a reference shared by RW slots that one thread holds (its 128-bit load):
+    # their max (0 while -inf or infinite), so a token costs one exp2 and each RW of them one rescale
+    RW: tl.constexpr = 4 if BLOCK >= 4 else BLOCK
+    NG: tl.constexpr = BLOCK // RW
+    total = tl.zeros((R, NG, RW), tl.float32)  # sum of exp2((x - ref) * c)
+    g_max = tl.full((R, NG), float("-inf"), tl.float32)
     n_finite = tl.zeros((R, BLOCK), tl.int32)
     x_min = tl.full((R, BLOCK), float("inf"), tl.float32)
     s1 = tl.zeros((R, BLOCK), tl.float32)
@@ -176,11 +181,14 @@ def _stats_kernel(
         x = tl.where(nan, float("-inf"), x)
         m_new = tl.maximum(best, x)
         if any_sampled:
-            ref_old = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
-            ref = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
-            # an empty slot (total 0) must not rescale by exp2(-ref * c), which overflows at low temperature
-            rescale = tl.where(best == float("-inf"), 0.0, tl.exp2((ref_old - ref) * c))
-            total = total * rescale + tl.exp2((x - ref) * c)
+            xg = tl.reshape(x, (R, NG, RW))
+            g_new = tl.maximum(g_max, tl.max(xg, 2))  # [R, NG]
+            ref_old = tl.where((g_max == float("-inf")) | (g_max == float("inf")), 0.0, g_max)
+            ref = tl.where((g_new == float("-inf")) | (g_new == float("inf")), 0.0, g_new)
+            # an empty group (total 0) must not rescale by exp2(-ref * c), which overflows at low temperature
+            rescale = tl.where(g_max == float("-inf"), 0.0, tl.exp2((ref_old - ref) * c))
+            total = total * rescale[:, :, None] + tl.exp2((xg - ref[:, :, None]) * c[:, :, None])
+            g_max = g_new
             finite = (x > float("-inf")) & (x < float("inf"))
             n_finite += finite.to(tl.int32)
             x_min = tl.minimum(x_min, tl.where(finite, x, float("inf")))
@@ -192,11 +200,11 @@ def _stats_kernel(
         best = m_new
     m = tl.max(best, 1)
     ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
-    ref_slot = tl.where((best == float("-inf")) | (best == float("inf")), 0.0, best)
-    scale = tl.where(best == float("-inf"), 0.0, tl.exp2((ref_slot - ref[:, None]) * c))
+    ref_group = tl.where((g_max == float("-inf")) | (g_max == float("inf")), 0.0, g_max)
+    scale = tl.where(g_max == float("-inf"), 0.0, tl.exp2((ref_group - ref[:, None]) * c))  # [R, NG]
     part = (rows * split + chunk) * N_STATS_F
     tl.store(part_f_ptr + part, m, mask=row_ok)
-    tl.store(part_f_ptr + part + 1, tl.sum(total * scale, 1), mask=row_ok)  # relative to this chunk's max
+    tl.store(part_f_ptr + part + 1, tl.sum(tl.sum(total, 2) * scale, 1), mask=row_ok)  # relative to the chunk max
     tl.store(part_f_ptr + part + 2, tl.min(x_min, 1), mask=row_ok)
     tl.store(part_f_ptr + part + 3, tl.sum(s1, 1), mask=row_ok)
     tl.store(part_f_ptr + part + 4, tl.sum(s2, 1), mask=row_ok)
