@@ -325,17 +325,21 @@ def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, to
 
 
 @triton.jit
-def _group_bound(part_g_ptr, rows, row_ok, split, top_k, k_on, G: tl.constexpr, SPLIT: tl.constexpr):
-    """Top-k's list threshold from the stats launch's group maxima: the k-th largest of the row's split * G group
-    maxima (ties counted) -> (s [R], rows it holds for: k_on and k <= split * G). Each of the k groups whose max
-    is >= s holds a token >= s, so at least k tokens are >= s: s is at or below the k-th largest logit, and the
-    gather at s holds top-k's cut. Only tokens of groups whose max is >= s pass it (each group holds V / (split
-    * G) of the row), so the list stays short (a few hundred tokens on every benchmark shape at k = 50, without
-    counting a threshold per token)."""
-    UN: tl.constexpr = SPLIT * G
-    u = tl.arange(0, UN)
-    valid = row_ok[:, None] & (u < split * G)[None, :]
-    maxima = tl.load(part_g_ptr + rows[:, None] * (split * G) + u[None, :], mask=valid, other=float("-inf"))
+def _load_group_maxima(part_g_ptr, rows, split, B, G: tl.constexpr, SPLIT: tl.constexpr):
+    """The row's split * G group maxima from the stats launch -> [R, SPLIT * G], -inf past them."""
+    u = tl.arange(0, SPLIT * G)
+    valid = (rows < B)[:, None] & (u < split * G)[None, :]
+    return tl.load(part_g_ptr + rows[:, None] * (split * G) + u[None, :], mask=valid, other=float("-inf"))
+
+
+@triton.jit
+def _group_bound(maxima, split, top_k, k_on, G: tl.constexpr):
+    """Top-k's list threshold from the stats launch's group maxima ([R, SPLIT * G], _load_group_maxima): the k-th
+    largest of the row's split * G group maxima (ties counted) -> (s [R], rows it holds for: k_on and k <= split *
+    G). Each of the k groups whose max is >= s holds a token >= s, so at least k tokens are >= s: s is at or below
+    the k-th largest logit, and the gather at s holds top-k's cut. Only tokens of groups whose max is >= s pass it
+    (each group holds V / (split * G) of the row), so the list stays short (a few hundred tokens on every benchmark
+    shape at k = 50, without counting a threshold per token)."""
     # ge[i]: how many maxima are >= maxima[i]; the largest maximum with ge >= k is the k-th largest
     ge = tl.sum((maxima[:, None, :] >= maxima[:, :, None]).to(tl.int32), 2)  # [R, UN]
     s = tl.max(tl.where(ge.to(tl.int64) >= top_k[:, None], maxima, float("-inf")), 1)
@@ -592,13 +596,15 @@ def _gather_count_kernel(
     # that need it, loads its own smaller first block again, from L2)
     LEAN: tl.constexpr = 4 * BLOCK  # the gather-only pass's block (_gather_pass)
     x_first = _load_block(base, start, end, rows < B, LEAN)
+    if G > 0:  # with the setup's loads too: one L2 round trip before the bound, not two
+        maxima = _load_group_maxima(part_g_ptr, rows, split, B, G, SPLIT)
     (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
      unfiltered) = _row_setup(rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
                               min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
     spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                   mp_on, filtered, CAP)  # fmt: skip
     if G > 0:
-        s_group, bounded = _group_bound(part_g_ptr, rows, row_ok, split, top_k, k_on, G, SPLIT)
+        s_group, bounded = _group_bound(maxima, split, top_k, k_on, G)
         spec = tl.where(bounded, tl.minimum(tl.maximum(s_group, x_min), m), spec)
     else:
         bounded = k_on & False
