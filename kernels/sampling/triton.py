@@ -609,9 +609,10 @@ def _gather_count_kernel(
     else:
         bounded = k_on & False
     counting = tl.max((filtered & ~bounded).to(tl.int32)) > 0  # the thresholds only decide for unbounded rows
-    thr = _count_thresholds(
-        m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT
-    )  # [R, NT], decreasing
+    if counting:  # [R, NT], decreasing (bounded rows never read them)
+        thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
+    else:
+        thr = tl.zeros((R, NT), tl.float32)
     j = tl.arange(0, NT)
     SW: tl.constexpr = NT + 1
     sbase = (rows * split + chunk) * SW  # this chunk's partials

@@ -1,0 +1,115 @@
+"""What the H200 would run for the fused sampler, from the CPU: the sampling kernels compiled ahead of time for
+sm_90 with the local Triton (experiments/aot_sm90.py's helpers: ptxas -v with Triton's flags, cuobjdump SASS),
+at the launch parameters of B = 1 and B = 256 (V = 248,320, fp32 logits, the defaults of kernels/sampling/triton
+.launch). Per kernel: registers, spills, shared memory, programs per SM that registers and warps allow, and each
+loop of the SASS (a backward branch): instructions, barriers, global loads and atomics. Only timing can say what
+these cost (`experiments/profile_sampling.py`, `bench_sampling.py`); this says what changed between commits without
+a GPU (run it in a worktree of the other commit).
+
+    python experiments/aot_sampling.py [--out results/aot_sampling.json]
+"""
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aot_sm90 as aot  # noqa: E402
+from benchlib import write_json  # noqa: E402
+
+from kernels.launch import cdiv, next_power_of_2  # noqa: E402
+from kernels.sampling import triton as fused  # noqa: E402
+
+V = 248_320
+SMS = 132  # H200
+REGISTERS_PER_SM = 65_536
+INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
+                "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
+                "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32"}  # fmt: skip
+
+
+def signature(kernel, constexprs: dict):
+    """The kernel's arguments as launch() passes them: pointers 16-byte aligned (fp32 unless listed), V and the
+    row stride divisible by 16 (Triton specializes them so), other ints unspecialized (do_not_specialize)."""
+    fn = aot.fn_of(kernel)
+    args = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            continue
+        if name.endswith("_ptr"):
+            args[name] = (INT_POINTERS.get(name, "*fp32"), True)
+        else:
+            args[name] = ("i32", name in ("V", "stride_row"))
+    return aot.spec(kernel, args, constexprs)
+
+
+def launch_params(B: int) -> dict:
+    """launch()'s defaults on the GPU at this B (block, split, bins, cap, groups, the resolve plan)."""
+    block = min(2048, next_power_of_2(V))
+    split = min(fused.SPLIT_MAX, cdiv(2048, B), cdiv(V, block))
+    bins = 16 if B < 64 else 4
+    persistent, split_r = fused.resolve_plan(B, split, SMS)
+    return {"B": B, "block": block, "block_c": min(block, 1024), "block_r": min(block, max(16, 4096 // bins)),
+            "split": split, "bins": bins, "cap": 1024, "nt": 8,
+            "groups": fused.group_count(fused.GROUPS, split, block) if hasattr(fused, "group_count") else 0,
+            "resolve_persistent": persistent, "resolve_split": split_r}  # fmt: skip
+
+
+def kernels_at(p: dict) -> dict:
+    """name -> (kernel, constexprs) of the three launches at these parameters."""
+    g = {"G": p["groups"]} if p["groups"] else {}
+    gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
+              "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g}  # fmt: skip
+    resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"], "LOG_CAP": 10,
+               "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"], "PDL": True}
+    return {
+        "stats": (fused._stats_kernel, {"R": 1, "BLOCK": p["block"], "PDL": True, **g}),
+        "gather_count": (fused._gather_count_kernel, gather),
+        "resolve": (fused._resolve_kernel, resolve),
+    }
+
+
+def loops(sass: str) -> list[dict]:
+    """Each loop of the SASS (a predicated backward branch; an unconditional one is code layout, a jump back from
+    a block placed out of line): its body's instructions, barriers, global loads and atomics."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass, re.M)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"^@!?U?P\w+\s+BRA\s.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= a and int(m.group(1), 16) in at:
+            body = [t for _, t in ins[at[int(m.group(1), 16)] : i + 1]]
+            out.append({"instructions": len(body), "barriers": sum("BAR.SYNC" in t for t in body),
+                        "global_loads": sum("LDG" in t for t in body),
+                        "atomics": sum(("ATOMG" in t) or ("RED." in t) for t in body)})  # fmt: skip
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/aot_sampling.json")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for B in (1, 256):
+            p = launch_params(B)
+            for name, (kernel, constexprs) in kernels_at(p).items():
+                r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), 8, 1), Path(tmp))
+                sass = (Path(tmp) / f"{name}_B{B}.sass").read_text()
+                per_sm = min(REGISTERS_PER_SM // (r["registers"] * 256), 64 // 8)
+                row = {"B": B, "kernel": name, "registers": r["registers"], "spill_bytes": r["spill_store_bytes"],
+                       "shared_bytes": r["shared_bytes"], "programs_per_sm_by_registers": per_sm,
+                       "sass_instructions": r["sass_instructions"], "loops": loops(sass), "launch": p}  # fmt: skip
+                rows.append(row)
+                print(f"B={B:<4} {name:<13} {r['registers']:>4} regs {per_sm} / SM  spill {r['spill_store_bytes']}"
+                      f"  loops {[(lp['instructions'], lp['barriers']) for lp in row['loops']]}")  # fmt: skip
+    target = "sm_90, compiled ahead of time on the CPU (ptxas and flags of Triton; experiments/aot_sm90.py)"
+    write_json(args.out, "aot_sampling", "cpu", target=target, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
