@@ -3,7 +3,9 @@
 Everything is checked from config.json and the safetensors headers before any weight is read: a bad checkpoint
 raises CheckpointError (one line naming the tensor or file) and no model is returned. Then each shard is
 memory-mapped in turn and every tensor goes straight into its parameter on the target device, moved in its stored
-dtype and cast there, so host RAM never holds a second copy of the weights.
+dtype and cast there, so host RAM never holds a second copy of the weights: to the CPU from a view of the mapped
+pages, to a GPU through pinned staging buffers with the copies overlapped (staging.py); a sharded model reads
+each parameter's slices through safetensors.
 
 FP8 checkpoints (config.json `quantization_config`): `quant_method: fp8` (fine-grained blocks, `<w>_scale_inv`
 [ceil(N / bn), ceil(K / bk)]) and `compressed-tensors` (`<w>_scale`, per channel [N, 1] or per block). Which tensors
@@ -28,6 +30,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kernels.fp8 import BLOCK_K, FP8, dequantize, quantize_into, rows_from_blocks, rows_from_channels
+from qmoe.checkpoint.staging import ShardReader, Stager
 from qmoe.model.config import ModelConfig
 from qmoe.model.qwen35_moe import Qwen35MoE, build_model, fp8_weight_names, shard_blocks
 from qmoe.parallel.layout import SINGLE, Layout
@@ -442,25 +445,23 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     scales = _read_scales(path, plan, tensors, model.device)
     full = _full_shapes(model)
     bar = tqdm(total=len(plan.reads), desc="load weights", unit="tensor", disable=not progress)
+    if specs:
+        _fill_slices(params, specs, full, I, path, plan, tensors, bar)
+        bar.close()
+        return
+    # to a GPU through pinned buffers (one host copy per byte, copies overlapped); to the CPU straight from the map
+    stager = Stager(model.device) if model.device.type == "cuda" else None
     for file, keys in _by_file(plan.reads, tensors).items():
-        with safe_open(path / file, framework="pt") as f:  # memory-mapped: pages are read as each tensor is copied
+        with ShardReader(path / file) as f:  # memory-mapped: pages are read as each tensor is copied
             for key in keys:
                 name, expert, part = plan.reads[key]
-                if specs:
-                    for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
-                        try:  # moved in its stored dtype, cast on the device
-                            params[name][dst].copy_(read_slice(f, key, index).to(params[name].device))
-                        except Exception as e:
-                            raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
-                    bar.update()
-                    continue
                 rows = slice(None, I) if part == "gate" else slice(I, None) if part == "up" else slice(None)
                 dest = (params[name] if expert is None else params[name][expert])[rows]
                 dest_scale = params.get(f"{name}_scale")  # [..., N, Kb] like the weight's rows
                 if dest_scale is not None:
                     dest_scale = (dest_scale if expert is None else dest_scale[expert])[rows]
-                try:
-                    stored = f.get_tensor(key).to(dest.device)  # moved in its stored dtype, converted on the device
+                try:  # moved in its stored dtype, converted on the device
+                    stored = f.host_view(key) if stager is None else stager.to_device(f.host_view(key))
                 except Exception as e:
                     raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
                 if key in scales and dest.dtype == FP8:
@@ -472,9 +473,24 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
                     quantize_into(dest, dest_scale, stored)
                 else:
                     dest.copy_(stored)
-                del stored
+                del stored  # the last view of the map's pages: the map closes with the file
                 bar.update()
     bar.close()
+
+
+def _fill_slices(params, specs, full, I, path, plan, tensors, bar) -> None:
+    """_fill for a sharded model: each parameter's slices of its checkpoint tensors (only those bytes of the
+    mapped file are read)."""
+    for file, keys in _by_file(plan.reads, tensors).items():
+        with safe_open(path / file, framework="pt") as f:
+            for key in keys:
+                name, expert, part = plan.reads[key]
+                for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
+                    try:  # moved in its stored dtype, cast on the device
+                        params[name][dst].copy_(read_slice(f, key, index).to(params[name].device))
+                    except Exception as e:
+                        raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
+                bar.update()
 
 
 def _full_shapes(model: Qwen35MoE) -> dict[str, tuple]:
