@@ -167,6 +167,7 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
     """parallel.tp x parallel.ep must be the number of processes torchrun started, the random model's dimensions
     must split that way, and the runtime and kernels must have a sharded path."""
     from qmoe.parallel import env_world_size, layout_errors
+    from qmoe.parallel.layout import fp8_layout_errors
 
     tp, ep = _int(cfg, "parallel.tp", 1), _int(cfg, "parallel.ep", 1)
     world = env_world_size()
@@ -197,11 +198,15 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
         "kernels.moe",
         "the Triton MoE kernels hold every expert; with parallel.ep > 1 use kernels.moe=torch (or ep=1, tp=N)",
     )
-    require(
-        OmegaConf.select(cfg, "model.weights") != "fp8",
-        "model.weights",
-        "fp8 weights are not sharded yet; with tp x ep > 1 use auto or dense (bf16)",
-    )
+    if OmegaConf.select(cfg, "model.weights") == "fp8":
+        require(
+            OmegaConf.select(cfg, "model.checkpoint") is None,
+            "model.weights",
+            "fp8 with tp x ep > 1 runs random weights only (a sharded checkpoint load reads bf16); use auto or dense",
+        )
+        errors = fp8_layout_errors(OmegaConf.to_container(cfg.model.arch), tp, ep)
+        if errors:
+            raise ConfigError(errors[0])
     return tp, ep
 
 

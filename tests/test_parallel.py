@@ -282,6 +282,100 @@ def test_layout_error_names_the_dimension(tp, ep, key):
     assert layout_errors(TINY_ARCH, tp, ep)[0] == key
 
 
+# the tiny model with every row-parallel K split on the fp8 scale blocks at tp = 2 (fp8_layout_errors): o_proj and
+# out_proj 256 columns, the experts' and the shared expert's down 256
+FP8_TP_ARCH = dict(head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
+def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
+    """One rank of the FP8 model at tp: its FP8 shards against the slices of the unsharded FP8 model, its greedy
+    tokens."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    from qmoe import parallel
+    from qmoe.model import fp8_weight_names
+
+    cfg = tiny_config(**FP8_TP_ARCH)
+    fp8 = fp8_weight_names(cfg, "fp8")
+    layout = parallel.init(tp, 1, "cpu")
+    full = dict(build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8).named_parameters())
+    model = build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8, layout=layout)
+    specs = model.shard_specs()
+    params = dict(model.named_parameters())
+    out = {"fp8_sharded": sorted(n for n in fp8 if n in specs and params[n].dtype == torch.float8_e4m3fn)}
+    def spec_of(name: str, ndim: int) -> dict:
+        """The shard spec of a parameter; a scale's K ranges are its weight's, in 128-column blocks."""
+        if not name.endswith("_scale"):
+            return specs.get(name, {0: None})
+        spec = specs.get(name.removesuffix("_scale"), {0: None})
+        return {d: [(a // 128, n // 128) for a, n in r] if d == ndim - 1 and r else r for d, r in spec.items()}
+
+    out["mismatch"] = [  # values as bytes (fp8 has no equality op on the CPU), scales as floats
+        name
+        for name, p in params.items()
+        if not all(
+            torch.equal(p[dst].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p[dst],
+                        full[name][src].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else full[name][src])
+            for src, dst in shard_blocks(spec_of(name, p.dim()))
+        )
+    ]  # fmt: skip
+    model.setup_caches(2, 32)
+    out["greedy"] = generate(ReferenceRunner(model, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
+    queue.put(out if rank == 0 else None)
+    parallel.shutdown()
+
+
+@pytest.mark.slow
+def test_fp8_tensor_parallel_equals_one_process():
+    # model.weights=fp8 at tp = 2 (random weights): each rank holds exactly its slice of the unsharded FP8 model,
+    # scales included, and greedy-decodes the same tokens as one process with it
+    from qmoe.model import fp8_weight_names
+
+    cfg = tiny_config(**FP8_TP_ARCH)
+    one = build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8_weight_names(cfg, "fp8"))
+    one.setup_caches(2, 32)
+    with torch.no_grad():
+        expected = generate(ReferenceRunner(one, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=fp8_rank_checks, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    got = next(r for r in results if r is not None)
+    assert len(got["fp8_sharded"]) > 0  # the layout shards fp8 tensors, rows and K columns
+    assert got["mismatch"] == []
+    assert got["greedy"] == expected
+
+
+@pytest.mark.parametrize(
+    "model,tp,first_error",
+    [
+        ("qwen35_moe_397b", 4, None),  # the 397B FP8 run of the multi-GPU issues: every K split on the blocks
+        ("qwen35_moe_122b", 8, None),
+        ("qwen35_moe", 4, None),
+        ("qwen35_moe", 8, "model.arch.moe_intermediate_size: fp8 needs each rank's share of the 512 columns"),
+    ],
+)
+def test_fp8_layouts_of_the_real_models(model, tp, first_error):
+    import yaml
+
+    from qmoe.parallel.layout import fp8_layout_errors
+
+    arch = yaml.safe_load((ROOT / f"configs/model/{model}.yaml").read_text())["arch"]
+    errors = fp8_layout_errors(arch, tp, 1)
+    if first_error is None:
+        assert errors == []
+    else:
+        assert errors and errors[0].startswith(first_error), errors
+
+
 @pytest.mark.parametrize("tp,ep,dtype", [(8, 1, torch.bfloat16), (4, 2, torch.bfloat16), (2, 1, torch.bfloat16)])
 def test_397b_layouts_split_and_fit(tp, ep, dtype):
     """The 397B-A17B runs of the multi-GPU issues: its dimensions split at these layouts, and a rank's shard of the
@@ -308,8 +402,10 @@ def test_397b_layouts_split_and_fit(tp, ep, dtype):
             "model.arch.num_key_value_heads: 3 is not divisible by parallel.tp=2, nor parallel.tp by it",
         ),
         (["parallel.tp=0"], "parallel.tp: must be >= 1"),
+        (["parallel.ep=2", "model.weights=fp8"], "parallel.ep: fp8 weights have no expert-parallel path"),
+        (["parallel.tp=2", "model.weights=fp8"], "model.arch.head_dim: fp8 needs each rank's share of the 128"),
     ],
-    ids=["triton_sampler", "host", "ep_triton_moe", "kv_heads", "tp0"],
+    ids=["triton_sampler", "host", "ep_triton_moe", "kv_heads", "tp0", "fp8_ep", "fp8_k_split"],
 )
 def test_parallel_settings_are_one_line(overrides, line, monkeypatch):
     """Under torchrun (WORLD_SIZE=2) the config says in one line what has no sharded path."""

@@ -415,10 +415,16 @@ def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
     specs = model.shard_specs()
     shapes = full_shapes(model.config) if specs else {}
     for name, p in tqdm(params, desc="init weights", disable=not progress, unit="tensor"):
-        if p.dtype == FP8:  # matrices and experts only (fp8_capable); never sharded (the settings refuse it)
-            dense = torch.empty(p.shape, dtype=model.dtype, device=p.device).normal_(
-                0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen
+        if p.dtype == FP8:  # matrices and experts only (fp8_capable): the dense draw, this rank's slice of it
+            full = shapes.get(name, p.shape)
+            dense = torch.empty(full, dtype=model.dtype, device=p.device).normal_(
+                0.0, 1.0 / math.sqrt(full[-1]), generator=gen
             )
+            if name in specs:  # K splits on the scale blocks (fp8_layout_errors): quantizing the slice gives the
+                local = torch.empty(p.shape, dtype=model.dtype, device=p.device)  # slice of the quantized tensor
+                for src, dst in shard_blocks(specs[name]):
+                    local[dst] = dense[src]
+                dense = local
             quantize_into(p, model.get_parameter(f"{name}_scale"), dense)
             del dense
         elif name in specs:  # the full tensor from the same generator stream, then this rank's slice of it
@@ -526,7 +532,8 @@ def build_model(
     """The model's parameters (this rank's shards under `layout`) allocated directly on `device` in `dtype` (no
     host copy); random when seed is set (a shard equals the slice of the unsharded model with that seed), left
     uninitialised (for a checkpoint loader to fill) when seed is None. The parameters named in `fp8` (see
-    Qwen35MoE.fp8_names) are float8_e4m3fn with their scales instead (FP8 and sharding are not combined)."""
+    Qwen35MoE.fp8_names) are float8_e4m3fn with their scales instead (sharded: each rank's slice of the unsharded
+    FP8 model, given fp8_layout_errors' alignment)."""
     with torch.device("meta"):
         model = Qwen35MoE(cfg, layout)
     model = model.to(dtype=dtype)

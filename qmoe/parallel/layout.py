@@ -62,6 +62,26 @@ def heads_error(n: int, tp: int) -> str | None:
     return f"{n} is not divisible by parallel.tp={tp}, nor parallel.tp by it"
 
 
+def fp8_layout_errors(arch: dict, tp: int, ep: int, block: int = 128) -> list[str]:
+    """'model.arch.<field>: ...' for each row-parallel projection whose K would be split off the fp8 scale blocks
+    (every `block` columns): a rank then holds exactly the slice of the unsharded FP8 model (values and scales).
+    Expert parallel has no FP8 path (its MoE is the torch op without scales)."""
+    world = tp * ep
+    k_splits = [  # (field, K of the row-parallel projection it sets, ways it is split)
+        ("head_dim", arch["num_attention_heads"] * arch["head_dim"], tp),  # attention o_proj
+        ("linear_value_head_dim", arch["linear_num_value_heads"] * arch["linear_value_head_dim"], tp),  # out_proj
+        ("moe_intermediate_size", arch["moe_intermediate_size"], tp),  # the experts' down
+        ("shared_expert_intermediate_size", arch["shared_expert_intermediate_size"], world),  # the shared down
+    ]
+    errors = ["parallel.ep: fp8 weights have no expert-parallel path (its MoE runs the torch op without fp8 scales); "
+              "use parallel.ep=1"] if ep > 1 else []  # fmt: skip
+    for field, k, ways in k_splits:
+        if (k // ways) % block:
+            errors.append(f"model.arch.{field}: fp8 needs each rank's share of the {k} columns it sets to be a "
+                          f"multiple of {block} (the fp8 scale blocks), got {k} / {ways} = {k // ways}")  # fmt: skip
+    return errors
+
+
 def layout_errors(arch: dict, tp: int, ep: int) -> list[str]:
     """'model.arch.<field>: ...' for each dimension of the architecture that the tp x ep layout cannot split."""
     world = tp * ep
