@@ -83,7 +83,7 @@ class CollectiveCounter:
             setattr(dist, name, counted)
 
 
-def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, exported: bool, queue) -> None:
+def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: bool, port: int, queue) -> None:
     """Everything one rank checks; the test process compares what rank 0 reports with one process."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * ep), LOCAL_RANK=str(rank)
@@ -169,12 +169,12 @@ def rank_checks(rank: int, tp: int, ep: int, port: int, checkpoint: str | None, 
     parallel.shutdown()
 
 
-def run_ranks(tp: int, ep: int, checkpoint: str | None = None, exported: bool = False) -> dict:
+def spawn_ranks(target, world: int, *args) -> dict:
+    """target(rank, *args, port, queue) in `world` processes -> what rank 0 put on the queue (the others put None)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    args = (tp, ep, port, checkpoint, exported, queue)
-    procs = [ctx.Process(target=rank_checks, args=(r, *args)) for r in range(tp * ep)]
+    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in procs]
@@ -182,6 +182,10 @@ def run_ranks(tp: int, ep: int, checkpoint: str | None = None, exported: bool = 
         p.join(timeout=60)
         assert p.exitcode == 0
     return next(r for r in results if r is not None)
+
+
+def run_ranks(tp: int, ep: int, checkpoint: str | None = None, exported: bool = False) -> dict:
+    return spawn_ranks(rank_checks, tp * ep, tp, ep, checkpoint, exported)
 
 
 @pytest.fixture(scope="module")
@@ -339,16 +343,7 @@ def test_fp8_tensor_parallel_equals_one_process():
     one.setup_caches(2, 32)
     with torch.no_grad():
         expected = generate(ReferenceRunner(one, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=fp8_rank_checks, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    got = next(r for r in results if r is not None)
+    got = spawn_ranks(fp8_rank_checks, 2, 2)
     assert len(got["fp8_sharded"]) > 0  # the layout shards fp8 tensors, rows and K columns
     assert got["mismatch"] == []
     assert got["greedy"] == expected
