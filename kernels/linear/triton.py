@@ -683,9 +683,11 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     if M > MAX_M or M == 0 or K == 0:
         weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
         return _prefill_gemm(x, weight, out)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale)
-    return out.view(*x.shape[:-1], N)
+    # each reshape / view is a dispatcher call (~2 us of host time, eager): only where the shapes need one
+    x2 = x if x.dim() == 2 else x.reshape(M, K)
+    out2 = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
+    linear_into(x2, weight, out2, scale=scale)
+    return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], N)
 
 
 def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
