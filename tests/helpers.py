@@ -18,6 +18,16 @@ def tiny_config(**changes) -> ModelConfig:
     return ModelConfig.from_dict({**TINY_ARCH, **changes})
 
 
+def linear_config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1) -> dict:
+    """A kernels/linear launch config forced through linear_into(config=...): 4 warps, one stage."""
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
+
+
+def persistent_config(BLOCK_N, BLOCK_K, programs_per_sm) -> dict:
+    """The persistent GEMV's config: row blocks of BLOCK_N strided over programs_per_sm programs per SM."""
+    return {**linear_config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
+
+
 def poisoned(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """An output buffer filled with NaN, so anything a kernel forgets to write fails the comparison."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -8,12 +8,10 @@ import torch
 from kernels.linear import naive
 from kernels.linear import triton as lin
 from tests.helpers import captured, poisoned, rel_err
+from tests.helpers import linear_config as config
+from tests.helpers import persistent_config as persistent
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1):
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
 
 
 def make(M, N, K, dtype, seed=0, device="cpu"):
@@ -52,10 +50,6 @@ def test_linear_into(M, N, K, cfg, reason, dtype):
     ws = poisoned(split, M, N) if split > 1 else None
     lin.linear_into(x, w, out, config=cfg, workspace=ws)
     assert rel_err(out, reference(x, w)) < TOL[dtype], reason
-
-
-def persistent(BLOCK_N, BLOCK_K, programs_per_sm):
-    return {**config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
 
 
 # (N, K, config, reason); the interpreter's grid is programs_per_sm * 8 "SMs" (lin.sm_count on the CPU)

@@ -12,13 +12,11 @@ from kernels.fp8 import dequantize, quantize_rows
 from kernels.linear import naive
 from kernels.linear import triton as lin
 from tests.helpers import exact_fp8_interpreter, fp8_interpreter_safe, poisoned, quantized_activations, rel_err
+from tests.helpers import linear_config as config
+from tests.helpers import persistent_config as persistent
 
 # The weight is exactly its fp8 values times the scales, so the only error is the arithmetic's.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def config(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K=1):
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, num_warps=4, num_stages=1)
 
 
 def make(M, N, K, dtype, seed=0):
@@ -78,10 +76,6 @@ def test_fp8_row_slice_of_a_fused_buffer():
     x, q, scale = make(1, 70, 300, torch.float32, seed=3)
     out = lin.linear(x, q[33:34], scale[33:34])  # shared_expert_gate: one row
     assert rel_err(out, reference(x, q[33:34], scale[33:34])) < TOL[torch.float32]
-
-
-def persistent(BLOCK_N, BLOCK_K, programs_per_sm):
-    return {**config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
 
 
 # (N, K, config, reason); the interpreter's grid is programs_per_sm * 8 "SMs"
