@@ -533,6 +533,16 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
 
 
 @triton.jit
+def _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
+    """Launch 2's gather of one block: its x >= spec into the rows' lists; a block with none skips the append (most
+    blocks hold no token of a short list) -> the mask of the gathered x."""
+    take = (x >= spec[:, None]) & msk
+    if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:
+        _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+    return take
+
+
+@triton.jit
 def _gather_pass(base, x_next, start, stop, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr,
                  CAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Launch 2's pass when every filtered row of the program is bounded: each x >= spec into its row's list,
@@ -541,9 +551,7 @@ def _gather_pass(base, x_next, start, stop, spec, rows, filtered, list_ptr, buf_
     held the B = 256 pass at ~0.6 TB/s (profile_sampling at 2afaede)."""
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        take = (x >= spec[:, None]) & msk
-        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
-            _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
 
 
 @triton.jit
@@ -560,9 +568,7 @@ def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtere
     mass_spec = tl.zeros((rows.shape[0], BLOCK), tl.float32)
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        take = (x >= spec[:, None]) & msk
-        if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:  # most blocks hold no token of a short list
-            _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        take = _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
         passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
         cnt_slots += passed.to(tl.int32)
         if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
