@@ -415,26 +415,21 @@ def init_random_(model: Qwen35MoE, seed: int, progress: bool = False) -> None:
     specs = model.shard_specs()
     shapes = full_shapes(model.config) if specs else {}
     for name, p in tqdm(params, desc="init weights", disable=not progress, unit="tensor"):
-        if p.dtype == FP8:  # matrices and experts only (fp8_capable): the dense draw, this rank's slice of it
-            full = shapes.get(name, p.shape)
-            dense = torch.empty(full, dtype=model.dtype, device=p.device).normal_(
-                0.0, 1.0 / math.sqrt(full[-1]), generator=gen
-            )
-            if name in specs:  # K splits on the scale blocks (fp8_layout_errors): quantizing the slice gives the
-                local = torch.empty(p.shape, dtype=model.dtype, device=p.device)  # slice of the quantized tensor
-                for src, dst in shard_blocks(specs[name]):
-                    local[dst] = dense[src]
-                dense = local
-            quantize_into(p, model.get_parameter(f"{name}_scale"), dense)
-            del dense
-        elif name in specs:  # the full tensor from the same generator stream, then this rank's slice of it
-            full = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
-            fill_random_(name, full, gen)
-            for src, dst in shard_blocks(specs[name]):
-                p[dst].copy_(full[src])
-            del full
-        else:
+        fp8 = p.dtype == FP8  # matrices and experts only (fp8_capable): drawn dense in the model's dtype
+        if not fp8 and name not in specs:
             fill_random_(name, p, gen)
+            continue
+        # the full tensor from the same generator stream, then this rank's slice of it
+        full = torch.empty(shapes.get(name, p.shape), dtype=model.dtype if fp8 else p.dtype, device=p.device)
+        fill_random_(name, full, gen)
+        if name in specs:  # into p, or (fp8) into a dense tensor to quantize
+            local = torch.empty(p.shape, dtype=full.dtype, device=p.device) if fp8 else p
+            for src, dst in shard_blocks(specs[name]):
+                local[dst] = full[src]
+            full = local
+        if fp8:  # with every K split on the scale blocks (fp8_layout_errors): the slice of the quantized tensor
+            quantize_into(p, model.get_parameter(f"{name}_scale"), full)
+        del full
 
 
 def fill_random_(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
