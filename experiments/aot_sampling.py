@@ -1,10 +1,11 @@
 """What the H200 would run for the fused sampler, from the CPU: the sampling kernels compiled ahead of time for
 sm_90 with the local Triton (experiments/aot_sm90.py's helpers: ptxas -v with Triton's flags, cuobjdump SASS),
 at the launch parameters of B = 1 and B = 256 (V = 248,320, fp32 logits, the defaults of kernels/sampling/triton
-.launch). Per kernel: registers, spills, shared memory, programs per SM that registers and warps allow, and each
-loop of the SASS (a backward branch): instructions, barriers, global loads and atomics. Only timing can say what
-these cost (`experiments/profile_sampling.py`, `bench_sampling.py`); this says what changed between commits without
-a GPU (run it in a worktree of the other commit).
+.launch). Per kernel: registers, spills, shared memory, programs per SM and waves of its grid
+(aot_decode_sass.occupancy), and each loop of the SASS (a predicated backward branch): instructions, barriers,
+global loads and atomics. Only timing can say what these cost (`experiments/profile_sampling.py`,
+`bench_sampling.py`); this says what changed between commits without a GPU (run it in a worktree of the other
+commit).
 
     python experiments/aot_sampling.py [--out results/aot_sampling.json]
 """
@@ -19,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aot_sm90 as aot  # noqa: E402
+from aot_decode_sass import SMS, occupancy  # noqa: E402
 from benchlib import write_json  # noqa: E402
 
 from kernels.launch import cdiv, next_power_of_2  # noqa: E402
 from kernels.sampling import triton as fused  # noqa: E402
 
 V = 248_320
-SMS = 132  # H200
-REGISTERS_PER_SM = 65_536
+NUM_WARPS = 8  # every sampling launch on the GPU
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32"}  # fmt: skip
@@ -60,16 +61,18 @@ def launch_params(B: int) -> dict:
 
 
 def kernels_at(p: dict) -> dict:
-    """name -> (kernel, constexprs) of the three launches at these parameters."""
+    """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
     g = {"G": p["groups"]} if p["groups"] else {}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g}  # fmt: skip
-    resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"], "LOG_CAP": 10,
-               "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"], "PDL": True}
+    resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
+               "LOG_CAP": 10, "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"],
+               "PDL": True}  # fmt: skip
+    programs, programs_r = p["B"] * p["split"], p["B"] * p["resolve_split"]  # one row per program on the GPU
     return {
-        "stats": (fused._stats_kernel, {"R": 1, "BLOCK": p["block"], "PDL": True, **g}),
-        "gather_count": (fused._gather_count_kernel, gather),
-        "resolve": (fused._resolve_kernel, resolve),
+        "stats": (fused._stats_kernel, {"R": 1, "BLOCK": p["block"], "PDL": True, **g}, programs),
+        "gather_count": (fused._gather_count_kernel, gather, programs),
+        "resolve": (fused._resolve_kernel, resolve, programs_r),
     }
 
 
@@ -97,15 +100,16 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for B in (1, 256):
             p = launch_params(B)
-            for name, (kernel, constexprs) in kernels_at(p).items():
-                r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), 8, 1), Path(tmp))
+            for name, (kernel, constexprs, programs) in kernels_at(p).items():
+                r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), NUM_WARPS, 1), Path(tmp))
                 sass = (Path(tmp) / f"{name}_B{B}.sass").read_text()
-                per_sm = min(REGISTERS_PER_SM // (r["registers"] * 256), 64 // 8)
+                fill = occupancy(r["registers"], r["shared_bytes"], NUM_WARPS, programs)
                 row = {"B": B, "kernel": name, "registers": r["registers"], "spill_bytes": r["spill_store_bytes"],
-                       "shared_bytes": r["shared_bytes"], "programs_per_sm_by_registers": per_sm,
-                       "sass_instructions": r["sass_instructions"], "loops": loops(sass), "launch": p}  # fmt: skip
+                       "shared_bytes": r["shared_bytes"], **fill, "sass_instructions": r["sass_instructions"],
+                       "loops": loops(sass), "launch": p}  # fmt: skip
                 rows.append(row)
-                print(f"B={B:<4} {name:<13} {r['registers']:>4} regs {per_sm} / SM  spill {r['spill_store_bytes']}"
+                print(f"B={B:<4} {name:<13} {r['registers']:>4} regs {fill['programs_per_sm']} / SM "
+                      f"{fill['waves']} waves  spill {r['spill_store_bytes']}"
                       f"  loops {[(lp['instructions'], lp['barriers']) for lp in row['loops']]}")  # fmt: skip
     target = "sm_90, compiled ahead of time on the CPU (ptxas and flags of Triton; experiments/aot_sm90.py)"
     write_json(args.out, "aot_sampling", "cpu", target=target, rows=rows)

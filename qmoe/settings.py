@@ -166,8 +166,7 @@ def check_triton_runs(choice: dict, device: torch.device) -> None:
 def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, int]:
     """parallel.tp x parallel.ep must be the number of processes torchrun started, the random model's dimensions
     must split that way, and the runtime and kernels must have a sharded path."""
-    from qmoe.parallel import env_world_size, layout_errors
-    from qmoe.parallel.layout import fp8_layout_errors
+    from qmoe.parallel import env_world_size, fp8_layout_errors, layout_errors
 
     tp, ep = _int(cfg, "parallel.tp", 1), _int(cfg, "parallel.ep", 1)
     world = env_world_size()

@@ -17,7 +17,7 @@ from helpers import rel_err, tiny_config
 from kernels.sampling import naive as naive_sampling
 from qmoe.model import build_model
 from qmoe.model.qwen35_moe import shard_blocks
-from qmoe.parallel import layout_errors
+from qmoe.parallel import fp8_layout_errors, layout_errors
 from qmoe.parallel.layout import Layout
 from qmoe.runtime.generate import ReferenceRunner, generate
 from qmoe.runtime.ledger import TransferLedger
@@ -288,7 +288,9 @@ def test_layout_error_names_the_dimension(tp, ep, key):
 
 # the tiny model with every row-parallel K split on the fp8 scale blocks at tp = 2 (fp8_layout_errors): o_proj and
 # out_proj 256 columns, the experts' and the shared expert's down 256
-FP8_TP_ARCH = dict(head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+FP8_TP_ARCH = dict(
+    head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256
+)
 
 
 def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
@@ -310,6 +312,7 @@ def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
     specs = model.shard_specs()
     params = dict(model.named_parameters())
     out = {"fp8_sharded": sorted(n for n in fp8 if n in specs and params[n].dtype == torch.float8_e4m3fn)}
+
     def spec_of(name: str, ndim: int) -> dict:
         """The shard spec of a parameter; a scale's K ranges are its weight's, in 128-column blocks."""
         if not name.endswith("_scale"):
@@ -360,8 +363,6 @@ def test_fp8_tensor_parallel_equals_one_process():
 )
 def test_fp8_layouts_of_the_real_models(model, tp, first_error):
     import yaml
-
-    from qmoe.parallel.layout import fp8_layout_errors
 
     arch = yaml.safe_load((ROOT / f"configs/model/{model}.yaml").read_text())["arch"]
     errors = fp8_layout_errors(arch, tp, 1)

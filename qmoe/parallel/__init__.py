@@ -6,9 +6,9 @@ says how many processes run; `parallel.tp` x `parallel.ep` must equal it. Withou
 
 import os
 
-from qmoe.parallel.layout import Layout, layout_errors
+from qmoe.parallel.layout import Layout, fp8_layout_errors, layout_errors
 
-__all__ = ["Layout", "layout_errors", "env_rank", "env_world_size", "init", "current"]
+__all__ = ["Layout", "fp8_layout_errors", "layout_errors", "env_rank", "env_world_size", "init", "current"]
 
 _CURRENT = {"layout": Layout()}
 

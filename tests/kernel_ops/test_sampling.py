@@ -482,8 +482,9 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     assert state[:, fused.S_ROUNDS_K.value].max() == bound  # the worst row needs every round of the bound
     # one round fewer than the bound: rows are left unfinished, and the checks above see it (invalid tokens)
     seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
-    short = fused.launch(rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, groups=0,
-                         rounds=2 * bound - 1)
+    short = fused.launch(
+        rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, groups=0, rounds=2 * bound - 1
+    )
     assert (short == naive.INVALID_TOKEN).any()
 
 
