@@ -62,9 +62,12 @@ def launch_params(B: int) -> dict:
 
 def kernels_at(p: dict) -> dict:
     """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
-    g = {"G": p["groups"]} if p["groups"] else {}
+    tile = min(fused.TILE_TOKENS, p["block_c"]) if p["groups"] else 0
+    chunk = cdiv(cdiv(V, p["split"]), p["block"]) * p["block"]
+    g = {"G": p["groups"], "TILE": tile} if p["groups"] else {"TILE": 0}
+    tiles = {"CT": next_power_of_2(cdiv(chunk, tile)) if tile else 1, "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
-              "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g}  # fmt: skip
+              "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
                "LOG_CAP": 10, "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"],
                "PDL": True}  # fmt: skip

@@ -66,6 +66,8 @@ SPLIT_MAX = 128  # programs per row, at most
 GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): top-k's list threshold for k <= this
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
 STEP_PROGRAMS_PER_SM = 4  # launch 3's programs per SM when it is a launch per step (2 resident at its registers)
+TILE_TOKENS = 128  # a tile (a warp's 128-bit loads): launch 2's bounded rows read only tiles that reach their bound
+TILES_PER_LOAD = 16  # selected tiles loaded at once by those rows (2,048 tokens: 8 a thread)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
@@ -145,13 +147,15 @@ N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 @fast_launch
 @triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, part_g_ptr, counter_ptr, n_counters,
-    split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles,
+    counter_ptr, n_counters, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
+    TILE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
-    and the maxima of G groups of the chunk's slots -> part_g [B, split, G] (G = 0: none); zeroes the rows'
-    counters (counter_ptr [n_counters, B]). Every statistic is kept per slot of the block and reduced once after
-    the loop (no cross-warp reduction inside it)."""
+    the maxima of G groups of the chunk's slots -> part_g [B, split, G] (G = 0: none) and the maxima of its tiles
+    of TILE tokens -> part_t [B, n_tiles] (TILE = 0: none); zeroes the rows' counters (counter_ptr [n_counters,
+    B]). Every other statistic is kept per slot of the block and reduced once after the loop; a tile is a warp's
+    span of the block (32 threads x 4 tokens on the GPU), so its max needs no cross-warp reduction."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -198,6 +202,11 @@ def _stats_kernel(
             xf = tl.where(finite, x, 0.0)
             s1 += xf
             s2 += xf * xf
+            if TILE > 0:  # launch 2's bounded rows read only the tiles whose max reaches their list threshold
+                tiles = off // TILE + tl.arange(0, BLOCK // TILE)
+                t_max = tl.max(tl.reshape(x, (R, BLOCK // TILE, TILE)), 2)  # [R, BLOCK // TILE]
+                t_ok = sampled[:, None] & (tiles * TILE < end)[None, :]
+                tl.store(part_t_ptr + rows[:, None] * n_tiles + tiles[None, :], t_max, mask=t_ok)
         up = x > best  # strict: a slot keeps its earliest index on ties
         best_idx = tl.where(up, cols[None, :], best_idx)
         best = m_new
@@ -372,13 +381,14 @@ def _count_thresholds(
 
 @triton.jit
 def _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
-    """Appends the taken x (and their token ids) to their rows' lists of CAP slots; the slot comes from the row's
-    list counter (the list's order is free: the finish sorts it and breaks race ties by token id)."""
-    pos = tl.atomic_add(list_ptr + rows[:, None] + cols[None, :] * 0, 1, mask=take, sem="relaxed")
+    """Appends the taken x [R, N] (token ids: cols, [1, N] or [R, N]) to their rows' lists of CAP slots; the slot
+    comes from the row's list counter (the list's order is free: the finish sorts it and breaks race ties by token
+    id)."""
+    pos = tl.atomic_add(list_ptr + rows[:, None] + cols * 0, 1, mask=take, sem="relaxed")
     at = rows[:, None].to(tl.int64) * CAP + pos
     ok = take & (pos < CAP)
     tl.store(buf_val_ptr + at, x, mask=ok)
-    tl.store(buf_idx_ptr + at, cols[None, :] + pos * 0, mask=ok)
+    tl.store(buf_idx_ptr + at, cols + pos * 0, mask=ok)
 
 
 @triton.jit
@@ -470,8 +480,10 @@ PHASE_RACE = tl.constexpr(3)  # the cut is known: the race draws the token (then
 PHASE_REGATHER = tl.constexpr(4)  # launch 3 regathers x >= F_S and finishes the row
 # int64 columns: phase, bracket, cut (the kept keys are >= it), k (0: off), key of the max, rounds run per phase,
 # the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it), the key of launch 2's
-# list threshold
-S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH, S_SPEC = (tl.constexpr(i) for i in range(10))
+# list threshold and the number of x at or above it (the list holds the first CAP of them)
+S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH, S_SPEC, S_LISTED = (
+    tl.constexpr(i) for i in range(11)
+)
 PATH_STATS = tl.constexpr(0)  # greedy, NaN, all -inf or +inf rows: the stats' answer
 PATH_LIST = tl.constexpr(2)  # the speculative gather held the cut: finished by launch 2
 PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a regather at a counted threshold
@@ -480,7 +492,7 @@ PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over mo
 # fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: set by the first top-p round), min_p
 # (0: off), the regather threshold, the row's sum of p
 F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P, F_S, F_TOTAL = (tl.constexpr(i) for i in range(7))
-N_STATE = tl.constexpr(10)
+N_STATE = tl.constexpr(11)
 
 
 @triton.jit
@@ -538,20 +550,43 @@ def _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, 
     blocks hold no token of a short list) -> the mask of the gathered x."""
     take = (x >= spec[:, None]) & msk
     if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:
-        _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        _gather_block(x, cols[None, :], take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
     return take
 
 
 @triton.jit
-def _gather_pass(base, x_next, start, stop, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr,
-                 CAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _load_tile_maxima(part_t_ptr, n_tiles, rows, start, end, B, TILE: tl.constexpr, CT: tl.constexpr):
+    """The stats launch's maxima of this chunk's tiles -> [R, CT], -inf past the chunk."""
+    t = start // TILE + tl.arange(0, CT)
+    ok = (rows < B)[:, None] & (t * TILE < end)[None, :]
+    return tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=ok, other=float("-inf"))
+
+
+@triton.jit
+def _gather_tiles(base, t_max, start, end, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr,
+                  CAP: tl.constexpr, TILE: tl.constexpr, CT: tl.constexpr, NS: tl.constexpr):  # fmt: skip
     """Launch 2's pass when every filtered row of the program is bounded: each x >= spec into its row's list,
-    nothing counted. Its blocks are 4 of the counting pass's (x_next: the first, loaded already): launch 2's
-    registers (the counting pass's) leave one program per SM, and 2 blocks of 1024 tokens in flight per program
-    held the B = 256 pass at ~0.6 TB/s (profile_sampling at 2afaede)."""
-    for off in range(start, stop, BLOCK):
-        x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+    nothing counted. Only a tile whose max (t_max [R, CT], _load_tile_maxima) is >= spec holds such an x, so only
+    those tiles are read, NS at a time, their ids compacted in registers: about k tiles of a row at top-k k (each
+    x >= spec sits in its own tile, mostly), a few % of the row at k = 50, where the whole pass held the B = 256
+    gather at ~0.6 TB/s for 427 us (profile_sampling at 2afaede)."""
+    sel = filtered[:, None] & (t_max >= spec[:, None])  # [R, CT]
+    rank = tl.cumsum(sel.to(tl.int32), 1) - 1  # position of a selected tile among its row's selected
+    n_sel = tl.max(tl.sum(sel.to(tl.int32), 1))
+    t = start // TILE + tl.arange(0, CT)
+    slot = tl.arange(0, NS)
+    lane = tl.arange(0, TILE)
+    for first in range(0, n_sel, NS):
+        hit = sel[:, None, :] & (rank[:, None, :] == (first + slot)[None, :, None])  # [R, NS, CT]
+        tile = tl.sum(tl.where(hit, t[None, None, :], 0), 2)  # [R, NS]: the selected tiles first .. first + NS - 1
+        used = tl.sum(hit.to(tl.int32), 2) > 0
+        cols = tile[:, :, None] * TILE + lane[None, None, :]  # [R, NS, TILE]
+        msk = used[:, :, None] & (cols < end)
+        x = tl.load(base[:, :, None] + cols, mask=msk, other=float("-inf")) + 0.0  # -0.0 as +0.0
+        x = tl.reshape(x, (rows.shape[0], NS * TILE))
+        cols = tl.reshape(cols, (rows.shape[0], NS * TILE))
+        take = (x >= spec[:, None]) & tl.reshape(msk, (rows.shape[0], NS * TILE))
+        _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
 
 
 @triton.jit
@@ -584,16 +619,18 @@ def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, part_g_ptr, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr,
-    out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
+    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr,
+    counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
-    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
+    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, CT: tl.constexpr,
+    NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """2. One pass over this chunk: filtered rows gather x >= spec into their list; unless every row of the
     program is bounded (top-k with k <= split * G: its spec is at or below the cut, _group_bound), they also count
-    (top-p without top-k: also weigh) x >= t_j at NT thresholds. The row's last program to arrive finishes the
-    rows whose list holds the cut, writes the others' state (regather, radix rounds, race) and every row's token
-    (INVALID_TOKEN for the rows still open)."""
+    (top-p without top-k: also weigh) x >= t_j at NT thresholds. A program whose rows are all bounded reads only
+    the tiles (of TILE tokens, maxima from the stats launch: part_t [B, n_tiles]) that can hold an x >= spec. The
+    row's last program to arrive finishes the rows whose list holds the cut, writes the others' state (regather,
+    radix rounds, race) and every row's token (INVALID_TOKEN for the rows still open)."""
     allow_dependents(PDL)
     chunk = tl.program_id(1)
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
@@ -603,10 +640,9 @@ def _gather_count_kernel(
     # the first block's load goes out with the row stats' loads (after the wait: launch 1's own wait is what
     # orders the logits' writer before us), so its round trip overlaps the setup's (the counting pass, for rows
     # that need it, loads its own smaller first block again, from L2)
-    LEAN: tl.constexpr = 4 * BLOCK  # the gather-only pass's block (_gather_pass)
-    x_first = _load_block(base, start, end, rows < B, LEAN)
-    if G > 0:  # with the setup's loads too: one L2 round trip before the bound, not two
+    if G > 0:  # with the setup's loads: one L2 round trip before the bound and the tiles, not three
         maxima = _load_group_maxima(part_g_ptr, rows, split, B, G, SPLIT)
+        t_max = _load_tile_maxima(part_t_ptr, n_tiles, rows, start, end, B, TILE, CT)
     (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
      unfiltered) = _row_setup(rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
                               min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
@@ -634,8 +670,9 @@ def _gather_count_kernel(
             use_mass, list_ptr, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
         )  # fmt: skip
     else:
-        _gather_pass(base, tl.where(filtered[:, None], x_first, float("-inf")), start, stop, spec, rows, filtered,
-                     list_ptr, buf_val_ptr, buf_idx_ptr, CAP, LEAN)  # fmt: skip
+        if G > 0:  # every filtered row of the program is bounded (or none is filtered: no tile is selected)
+            _gather_tiles(base, t_max, start, end, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr, CAP,
+                          TILE, CT, NS)  # fmt: skip
         cnt = tl.zeros((R, NT), tl.int32)
         mass = tl.zeros((R, NT), tl.float32)
         mass_spec = tl.zeros((R,), tl.float32)
@@ -674,6 +711,7 @@ def _gather_count_kernel(
         path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
         tl.store(st + S_PATH, path.to(tl.int64), mask=last)
         tl.store(st + S_SPEC, _ordered_key(spec + 0.0).to(tl.int64), mask=last)
+        tl.store(st + S_LISTED, n_list.to(tl.int64), mask=last)
         sf = state_f_ptr + rows * N_STATE
         tl.store(sf + F_M, m, mask=last)
         tl.store(sf + F_C, c, mask=last)
@@ -700,7 +738,7 @@ def _regather_step(base, rows, busy, chunk, chunk_blocks, V, B, seed_ptr, seed_s
     x_next = _load_block(base, start, end, busy, BLOCK)
     for off in range(start, end, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)
-        _gather_block(x, cols, msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
+        _gather_block(x, cols[None, :], msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
                       buf_idx_ptr, CAP)  # fmt: skip
     tl.debug_barrier()  # every thread's stores before the release below
     arrived = tl.atomic_add(counter_ptr + C_REGATHER_ARRIVED * B + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
@@ -1003,17 +1041,22 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     split = 1 if split is None else split
     assert 1 <= split <= SPLIT_MAX
     n_groups = group_count(groups, split, block)
+    chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
+    tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # tiles only serve bounded rows; a block holds whole tiles
+    n_tiles = cdiv(V, tile_len) if tile_len else 0
+    n_chunk_tiles = next_power_of_2(cdiv(chunk_blocks * block, tile_len)) if tile_len else 1
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         # the largest [R, ., .] tile of the kernels, per row
-        tile = max(block * nt, cap * 4, block_r * bins, nt * 32, (next_power_of_2(split) * n_groups) ** 2)
+        tile = max(block * nt, cap * 4, block_r * bins, nt * 32, (next_power_of_2(split) * n_groups) ** 2,
+                   TILES_PER_LOAD * max(n_chunk_tiles, tile_len))  # fmt: skip
         rows = 1 if logits.is_cuda else min(next_power_of_2(B), max(1, 2**20 // tile))
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
-    chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     device = logits.device
     part_f = torch.empty(B, split, N_STATS_F.value, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
     part_g = torch.empty(B, split, max(n_groups, 1), dtype=torch.float32, device=device)
+    part_t = torch.empty(B, max(n_tiles, 1), dtype=torch.float32, device=device)
     search_f = torch.empty(B, split, nt + 1, dtype=torch.float32, device=device)
     search_i = torch.empty(B, split, nt + 1, dtype=torch.int32, device=device)
     buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
@@ -1033,14 +1076,15 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
     SPLIT = next_power_of_2(split)
     _stats_kernel[grid](
-        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, part_g, counters,
-        counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups, **opts,
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, part_g, part_t, n_tiles,
+        counters, counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups, TILE=tile_len, **opts,
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
     _gather_count_kernel[grid](
-        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, search_f, search_i, buf_val, buf_idx,
-        counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
-        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups, **opts,
+        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, search_f, search_i,
+        buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows,
+        BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
+        TILE=tile_len, CT=n_chunk_tiles, NS=TILES_PER_LOAD, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings

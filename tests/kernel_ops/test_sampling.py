@@ -875,6 +875,42 @@ def test_group_bound_is_at_or_below_the_kth_logit(V, block, split, exact):
     assert keep[torch.arange(n), out].all()
 
 
+@pytest.mark.parametrize(
+    "V, block, split, k",
+    [
+        (4096, 512, 1, 100),  # 32 tiles of 128 in one chunk, most of them reach the bound: more than one load's 16
+        (1000, 64, 3, 7),  # tiles of 64, the last chunk (and its last tile) cut at V
+    ],
+)
+def test_bounded_list_holds_every_logit_at_or_above_its_threshold(V, block, split, k):
+    # launch 2 reads only the tiles whose max reaches a bounded row's threshold: its list must hold every x >= it
+    # (S_LISTED counts the appends), no more (no tile twice, nothing past V: the next row's tokens) and no fewer
+    # (a tile whose max equals the threshold; the row's last tile, lifted here)
+    g = torch.Generator().manual_seed(5)
+    B = 5
+    logits = torch.randn(B, V, generator=g)
+    logits[1] = logits[1].round()  # ties: many tiles whose max equals the threshold
+    logits[2, -1] = 10.0  # the max in the row's last tile
+    logits[3, : V // 2] = float("-inf")  # half the row masked: tiles with no finite x
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    ones, zeros = torch.ones(B), torch.zeros(B)
+    out = fused.launch(logits, ones, torch.full((B,), k), ones, zeros, zeros.long(), torch.arange(B), block=block,
+                       split=split, state=state)  # fmt: skip
+    assert (state[:, fused.S_PATH.value] == fused.PATH_LIST.value).all()
+    spec = state[:, fused.S_SPEC.value]
+    at_or_above = (ordered_keys(logits) >= spec[:, None]) & (logits > float("-inf"))
+    assert torch.equal(state[:, fused.S_LISTED.value], at_or_above.sum(1)), (
+        state[:, fused.S_LISTED.value],
+        at_or_above.sum(1),
+    )
+    assert at_or_above.sum(1).min() >= k
+    probs = torch.softmax(logits.double(), -1)
+    keep = naive.filter_probs(
+        probs, torch.full((B,), k), torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
+    )
+    assert keep[torch.arange(B), out].all()
+
+
 def tiered_logits(n_up, V, seed):
     """A row whose n_up highest logits (rounded: ties; one unique max) lie ~40 above the others: any threshold
     between the two tiers, as launch 2's speculative one is, lists exactly those n_up tokens."""
