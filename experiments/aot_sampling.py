@@ -30,7 +30,7 @@ V = 248_320
 NUM_WARPS = 8  # every sampling launch on the GPU
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
-                "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32"}  # fmt: skip
+                "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32", "tile_list_ptr": "*i32"}  # fmt: skip
 
 
 def signature(kernel, constexprs: dict):
@@ -63,9 +63,8 @@ def launch_params(B: int) -> dict:
 def kernels_at(p: dict) -> dict:
     """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
     tile = min(fused.TILE_TOKENS, p["block_c"]) if p["groups"] else 0
-    chunk = cdiv(cdiv(V, p["split"]), p["block"]) * p["block"]
     g = {"G": p["groups"], "TILE": tile} if p["groups"] else {"TILE": 0}
-    tiles = {"CT": next_power_of_2(cdiv(chunk, tile)) if tile else 1, "NS": fused.TILES_PER_LOAD}
+    tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)) if tile else 1, "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],

@@ -67,7 +67,7 @@ GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): to
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
 STEP_PROGRAMS_PER_SM = 4  # launch 3's programs per SM when it is a launch per step (2 resident at its registers)
 TILE_TOKENS = 128  # a tile (a warp's 128-bit loads): launch 2's bounded rows read only tiles that reach their bound
-TILES_PER_LOAD = 16  # selected tiles loaded at once by those rows (2,048 tokens: 8 a thread)
+TILES_PER_LOAD = 32  # selected tiles loaded at once by those rows (4,096 tokens: 16 a thread)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
 
@@ -277,11 +277,10 @@ SEARCH_RUNTIME_ARGS = ["B", "temp_stride", "top_k_stride", "top_p_stride", "min_
 
 @triton.jit
 def _row_setup(
-    rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
-    part_f_ptr, part_i_ptr, split, SPLIT: tl.constexpr,
+    rows, row_ok, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr,
+    min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """What the gather / count pass knows of its rows: parameters, row stats (launch 1), which filters are on."""
-    row_ok = rows < B
+    """What launch 2 knows of its rows `row_ok`: parameters, row stats (launch 1), which filters are on."""
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
     top_k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0).to(tl.int64)
     top_p = tl.load(top_p_ptr + rows * top_p_stride, mask=row_ok, other=1.0).to(tl.float32)
@@ -497,12 +496,11 @@ N_STATE = tl.constexpr(11)
 
 @triton.jit
 def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec,
-                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, bounded, CAP: tl.constexpr,
+                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP: tl.constexpr,
                    NT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """The partials of launch 2 summed in chunk order by the row's last program -> (list size, rows whose list
     holds the cut, rows to regather and the threshold, rows for the radix rounds and their bracket [lo, hi] of
-    keys). A `bounded` row (its list threshold at or below the cut, _group_bound) counted no thresholds: if its
-    list overflowed, the rounds start from [spec, max]."""
+    keys)."""
     SW: tl.constexpr = NT + 1
     sp = tl.arange(0, SPLIT)
     j = tl.arange(0, NT)
@@ -531,7 +529,7 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     )
     usable = below_cut & (cnt <= CAP)
     s = tl.max(tl.where(usable, thr, float("-inf")), 1)  # the highest usable threshold: the fewest tokens
-    regather = last & filtered & ~listed & ~bounded & (s > float("-inf"))
+    regather = last & filtered & ~listed & (s > float("-inf"))
     radix = last & filtered & ~listed & ~regather
     # the radix bracket: between the highest threshold at or below the cut and the lowest one above it
     at_or_below = tl.where(k_on[:, None], cnt >= top_k[:, None], mass >= (top_p * total)[:, None])
@@ -539,8 +537,7 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     hi_x = tl.min(tl.where(at_or_below, float("inf"), thr), 1)
     lo = _ordered_key(lo_x + 0.0).to(tl.int64)
     hi = tl.where(hi_x < float("inf"), _ordered_key(hi_x + 0.0).to(tl.int64) - 1, _ordered_key(m).to(tl.int64))
-    lo = tl.where(bounded, _ordered_key(spec + 0.0).to(tl.int64), lo)
-    hi = tl.maximum(tl.where(bounded, _ordered_key(m).to(tl.int64), hi), lo)
+    hi = tl.maximum(hi, lo)
     return n_list, listed, regather, s, radix, lo, hi
 
 
@@ -555,38 +552,101 @@ def _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, 
 
 
 @triton.jit
-def _load_tile_maxima(part_t_ptr, n_tiles, rows, start, end, B, TILE: tl.constexpr, CT: tl.constexpr):
-    """The stats launch's maxima of this chunk's tiles -> [R, CT], -inf past the chunk."""
-    t = start // TILE + tl.arange(0, CT)
-    ok = (rows < B)[:, None] & (t * TILE < end)[None, :]
-    return tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=ok, other=float("-inf"))
+def _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo, hi, s,
+                 spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min):  # fmt: skip
+    """Launch 2's decision for rows `last` -> their state (phase, bracket, path, ...) and token (INVALID_TOKEN for
+    rows still open: a later launch writes it; one it misses stays invalid). Rows whose kept set may exceed CAP
+    (`radix`): the radix rounds find top-k's cut, then top-p's, over all the row's programs; min-p is closed form
+    (applied in the race), so min-p alone and rows without a filter (cut: the smallest key) go to the race."""
+    phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
+    phase = tl.where(regather, PHASE_REGATHER, tl.where(unfiltered, PHASE_RACE, phase))
+    st = state_i_ptr + rows * N_STATE
+    tl.store(st + S_PHASE, phase.to(tl.int64), mask=last)
+    tl.store(st + S_LO, lo, mask=last)
+    tl.store(st + S_HI, hi, mask=last)
+    tl.store(st + S_CUT, _ordered_key(x_min).to(tl.int64), mask=last)  # the race without a cut: every finite x
+    tl.store(st + S_K, top_k, mask=last)
+    tl.store(st + S_TOP, _ordered_key(m).to(tl.int64), mask=last)
+    tl.store(st + S_ROUNDS_K, tl.zeros_like(lo), mask=last)
+    tl.store(st + S_ROUNDS_P, tl.zeros_like(lo), mask=last)
+    path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_REGATHER, PATH_REGATHER, PATH_RADIX))
+    path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
+    tl.store(st + S_PATH, path.to(tl.int64), mask=last)
+    tl.store(st + S_SPEC, _ordered_key(spec + 0.0).to(tl.int64), mask=last)
+    tl.store(st + S_LISTED, n_list.to(tl.int64), mask=last)
+    sf = state_f_ptr + rows * N_STATE
+    tl.store(sf + F_M, m, mask=last)
+    tl.store(sf + F_C, c, mask=last)
+    tl.store(sf + F_TOP_P, top_p, mask=last)
+    # top-p without top-k starts inside a narrowed bracket: its target is known; after top-k it is set by the
+    # first top-p round (top_p times the top-k set's mass)
+    tl.store(sf + F_TARGET, tl.where(k_on, -1.0, top_p * total), mask=last)
+    tl.store(sf + F_MIN_P, min_p, mask=last)
+    tl.store(sf + F_S, s, mask=last)
+    tl.store(sf + F_TOTAL, total, mask=last)
+    tl.store(out_ptr + rows, tl.where(phase != PHASE_NONE, INVALID, token), mask=last)
 
 
 @triton.jit
-def _gather_tiles(base, t_max, start, end, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr,
-                  CAP: tl.constexpr, TILE: tl.constexpr, CT: tl.constexpr, NS: tl.constexpr):  # fmt: skip
-    """Launch 2's pass when every filtered row of the program is bounded: each x >= spec into its row's list,
-    nothing counted. Only a tile whose max (t_max [R, CT], _load_tile_maxima) is >= spec holds such an x, so only
-    those tiles are read, NS at a time, their ids compacted in registers: about k tiles of a row at top-k k (each
-    x >= spec sits in its own tile, mostly), a few % of the row at k = 50, where the whole pass held the B = 256
-    gather at ~0.6 TB/s for 427 us (profile_sampling at 2afaede)."""
-    sel = filtered[:, None] & (t_max >= spec[:, None])  # [R, CT]
-    rank = tl.cumsum(sel.to(tl.int32), 1) - 1  # position of a selected tile among its row's selected
-    n_sel = tl.max(tl.sum(sel.to(tl.int32), 1))
-    t = start // TILE + tl.arange(0, CT)
+def _finish_from_tiles(
+    base, rows, here, V, B, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr,
+    min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr,
+    n_tiles, tile_list_ptr, buf_val_ptr, buf_idx_ptr, state_i_ptr, state_f_ptr, out_ptr, split, CAP: tl.constexpr,
+    LOG_CAP: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
+    NS: tl.constexpr,
+):  # fmt: skip
+    """Rows `here` (sampled, top-k with 0 < k <= split * G), each finished by this one program. List threshold
+    s: the k-th largest of the row's group maxima (_group_bound), at or below the k-th logit; when k is not below
+    the row's finite logits (top-k off), the smallest finite logit (at most k tokens). Only a tile whose max
+    (stats launch) is >= s can hold an x >= s: the selected tiles' ids are listed (tile_list [B, n_tiles]), then
+    read NS tiles at a time, each x >= s appended to the row's list at its prefix-sum position (one program: no
+    atomics). That is about k tiles of a row at k = 50 on every benchmark shape, a few % of it, where a pass of
+    the whole row in launch 2's programs held B = 256 at 427 us (profile_sampling at 2afaede, 1 program per SM).
+    The list holds the cut unless it overflows CAP; then the radix rounds start from [s, max]."""
+    maxima = _load_group_maxima(part_g_ptr, rows, split, B, G, SPLIT)  # with the setup's loads: one round trip
+    t = tl.arange(0, N_TILES)
+    t_ok = here[:, None] & (t < n_tiles)[None, :]
+    t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
+    seed = tl.load(seed_ptr + rows * seed_stride, mask=here, other=0).to(tl.int64)
+    step = tl.load(step_ptr + rows * step_stride, mask=here, other=0).to(tl.int64)
+    (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
+     unfiltered) = _row_setup(rows, here, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                              top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
+    s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
+    spec = tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min)
+    sel = filtered[:, None] & (t_max >= spec[:, None])  # [R, N_TILES]
+    rank = tl.cumsum(sel.to(tl.int32), 1) - 1
+    tile_list = tile_list_ptr + rows[:, None] * n_tiles
+    tl.store(tile_list + rank, t[None, :] + rank * 0, mask=sel)
+    n_sel = tl.sum(sel.to(tl.int32), 1)
+    tl.debug_barrier()  # the tile list's stores before its loads (one program: bar.sync orders global memory)
     slot = tl.arange(0, NS)
     lane = tl.arange(0, TILE)
-    for first in range(0, n_sel, NS):
-        hit = sel[:, None, :] & (rank[:, None, :] == (first + slot)[None, :, None])  # [R, NS, CT]
-        tile = tl.sum(tl.where(hit, t[None, None, :], 0), 2)  # [R, NS]: the selected tiles first .. first + NS - 1
-        used = tl.sum(hit.to(tl.int32), 2) > 0
+    n_list = tl.zeros_like(n_sel)
+    for first in range(0, tl.max(n_sel), NS):
+        used = (first + slot)[None, :] < n_sel[:, None]  # [R, NS]
+        tile = tl.load(tile_list + (first + slot)[None, :], mask=used, other=0, volatile=True)
         cols = tile[:, :, None] * TILE + lane[None, None, :]  # [R, NS, TILE]
-        msk = used[:, :, None] & (cols < end)
+        msk = used[:, :, None] & (cols < V)
         x = tl.load(base[:, :, None] + cols, mask=msk, other=float("-inf")) + 0.0  # -0.0 as +0.0
         x = tl.reshape(x, (rows.shape[0], NS * TILE))
         cols = tl.reshape(cols, (rows.shape[0], NS * TILE))
-        take = (x >= spec[:, None]) & tl.reshape(msk, (rows.shape[0], NS * TILE))
-        _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        take = tl.reshape(msk, (rows.shape[0], NS * TILE)) & (x >= spec[:, None])
+        pos = n_list[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        at = rows[:, None].to(tl.int64) * CAP + pos
+        tl.store(buf_val_ptr + at, x, mask=take & (pos < CAP))
+        tl.store(buf_idx_ptr + at, cols, mask=take & (pos < CAP))
+        n_list += tl.sum(take.to(tl.int32), 1)
+    tl.debug_barrier()  # the list's stores before the finish loads it
+    listed = filtered & (n_list <= CAP)
+    if tl.max(listed.to(tl.int32)) > 0:
+        drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p, min_p,
+                                  k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+        token = tl.where(listed, drawn, token)
+    radix = filtered & ~listed
+    _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, here, token, listed, radix & False, radix, unfiltered,
+                 _ordered_key(spec + 0.0).to(tl.int64), _ordered_key(m).to(tl.int64), float("-inf") + m * 0, spec,
+                 n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
 
 
 @triton.jit
@@ -614,65 +674,80 @@ def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtere
 
 
 @fast_launch
-@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["n_tiles"])
 def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr,
-    counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
+    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, search_f_ptr, search_i_ptr, buf_val_ptr,
+    buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
-    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, CT: tl.constexpr,
+    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
     NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. One pass over this chunk: filtered rows gather x >= spec into their list; unless every row of the
-    program is bounded (top-k with k <= split * G: its spec is at or below the cut, _group_bound), they also count
-    (top-p without top-k: also weigh) x >= t_j at NT thresholds. A program whose rows are all bounded reads only
-    the tiles (of TILE tokens, maxima from the stats launch: part_t [B, n_tiles]) that can hold an x >= spec. The
-    row's last program to arrive finishes the rows whose list holds the cut, writes the others' state (regather,
-    radix rounds, race) and every row's token (INVALID_TOKEN for the rows still open)."""
+    """2. Sampled rows with top-k 0 < k <= split * G (G > 0) are finished by their chunk-0 program alone, from the
+    tiles that can hold the cut (_finish_from_tiles); the row's other programs exit. Every other row: one pass over
+    this chunk gathers x >= spec (a speculative threshold) into the row's list and counts (top-p without top-k:
+    also weighs) x >= t_j at NT thresholds; the row's last program to arrive finishes the rows whose list holds
+    the cut and writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN for
+    the rows still open)."""
     allow_dependents(PDL)
     chunk = tl.program_id(1)
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
-    # the first block's load goes out with the row stats' loads (after the wait: launch 1's own wait is what
-    # orders the logits' writer before us), so its round trip overlaps the setup's (the counting pass, for rows
-    # that need it, loads its own smaller first block again, from L2)
-    if G > 0:  # with the setup's loads: one L2 round trip before the bound and the tiles, not three
-        maxima = _load_group_maxima(part_g_ptr, rows, split, B, G, SPLIT)
-        t_max = _load_tile_maxima(part_t_ptr, n_tiles, rows, start, end, B, TILE, CT)
+    in_batch = rows < B
+    if G > 0:  # from the parameters alone, so that the row's other programs can leave at once
+        temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
+        k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
+        from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G)
+        here = from_tiles & (rows * 0 + chunk == 0)
+        if tl.max(here.to(tl.int32)) > 0:
+            _finish_from_tiles(base, rows, here, V, B, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                               top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride,
+                               part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, buf_val_ptr,
+                               buf_idx_ptr, state_i_ptr, state_f_ptr, out_ptr, split, CAP, LOG_CAP, SPLIT, G, TILE,
+                               N_TILES, NS)  # fmt: skip
+        shared = in_batch & ~from_tiles
+    else:
+        shared = in_batch
+    if tl.max(shared.to(tl.int32)) > 0:
+        _gather_count_rows(base, rows, shared, chunk, start, end, B, V, temp_ptr, temp_stride, top_k_ptr,
+                           top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride,
+                           step_ptr, step_stride, part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, buf_val_ptr,
+                           buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, BLOCK, CAP, LOG_CAP,
+                           NT, LOG_NT, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _gather_count_rows(
+    base, rows, shared, chunk, start, end, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+    top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr,
+    search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split,
+    BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Launch 2 for rows `shared` (every row not finished from tiles): the gather + count pass over this chunk;
+    the row's last program to arrive decides (_count_outcome) and finishes it from the list or writes its state."""
     (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
-     unfiltered) = _row_setup(rows, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride,
-                              min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
+     unfiltered) = _row_setup(rows, shared, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                              top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
     spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                   mp_on, filtered, CAP)  # fmt: skip
-    if G > 0:
-        s_group, bounded = _group_bound(maxima, split, top_k, k_on, G)
-        spec = tl.where(bounded, tl.minimum(tl.maximum(s_group, x_min), m), spec)
-    else:
-        bounded = k_on & False
-    counting = tl.max((filtered & ~bounded).to(tl.int32)) > 0  # the thresholds only decide for unbounded rows
-    if counting:  # [R, NT], decreasing (bounded rows never read them)
-        thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
-    else:
-        thr = tl.zeros((R, NT), tl.float32)
+    R: tl.constexpr = rows.shape[0]
     j = tl.arange(0, NT)
     SW: tl.constexpr = NT + 1
     sbase = (rows * split + chunk) * SW  # this chunk's partials
-    stop = tl.where(tl.max(filtered.to(tl.int32)) > 0, end, start)  # else no pass
-    list_ptr = counter_ptr + C_COUNT_LIST * B
-    if counting:
+    if tl.max(filtered.to(tl.int32)) > 0:  # [R, NT], decreasing
+        thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
         use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
         cnt, mass, mass_spec = _gather_count_pass(
-            base, _load_block(base, start, stop, filtered, BLOCK), start, stop, spec, thr, m, c, rows, filtered,
-            use_mass, list_ptr, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
+            base, _load_block(base, start, end, filtered, BLOCK), start, end, spec, thr, m, c, rows, filtered,
+            use_mass, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
         )  # fmt: skip
-    else:
-        if G > 0:  # every filtered row of the program is bounded (or none is filtered: no tile is selected)
-            _gather_tiles(base, t_max, start, end, spec, rows, filtered, list_ptr, buf_val_ptr, buf_idx_ptr, CAP,
-                          TILE, CT, NS)  # fmt: skip
+    else:  # no pass
+        thr = tl.zeros((R, NT), tl.float32)
         cnt = tl.zeros((R, NT), tl.int32)
         mass = tl.zeros((R, NT), tl.float32)
         mass_spec = tl.zeros((R,), tl.float32)
@@ -687,43 +762,14 @@ def _gather_count_kernel(
         step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
         n_list, listed, regather, s, radix, lo, hi = _count_outcome(
             search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
-            top_p, min_p, k_on, p_on, mp_on, filtered, bounded, CAP, NT, SPLIT,
+            top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
         )  # fmt: skip
         if tl.max(listed.to(tl.int32)) > 0:
             drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
                                       min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
             token = tl.where(listed, drawn, token)
-        # rows whose kept set may exceed CAP: the radix rounds find top-k's cut, then top-p's, over all the row's
-        # programs; min-p is closed form (applied in the race), so min-p alone and rows without a filter (cut: the
-        # smallest key) go straight to the race
-        phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
-        phase = tl.where(regather, PHASE_REGATHER, tl.where(unfiltered, PHASE_RACE, phase))
-        st = state_i_ptr + rows * N_STATE
-        tl.store(st + S_PHASE, phase.to(tl.int64), mask=last)
-        tl.store(st + S_LO, lo, mask=last)
-        tl.store(st + S_HI, hi, mask=last)
-        tl.store(st + S_CUT, _ordered_key(x_min).to(tl.int64), mask=last)  # the race without a cut: every finite x
-        tl.store(st + S_K, top_k, mask=last)
-        tl.store(st + S_TOP, _ordered_key(m).to(tl.int64), mask=last)
-        tl.store(st + S_ROUNDS_K, tl.zeros((R,), tl.int64), mask=last)
-        tl.store(st + S_ROUNDS_P, tl.zeros((R,), tl.int64), mask=last)
-        path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_REGATHER, PATH_REGATHER, PATH_RADIX))
-        path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
-        tl.store(st + S_PATH, path.to(tl.int64), mask=last)
-        tl.store(st + S_SPEC, _ordered_key(spec + 0.0).to(tl.int64), mask=last)
-        tl.store(st + S_LISTED, n_list.to(tl.int64), mask=last)
-        sf = state_f_ptr + rows * N_STATE
-        tl.store(sf + F_M, m, mask=last)
-        tl.store(sf + F_C, c, mask=last)
-        tl.store(sf + F_TOP_P, top_p, mask=last)
-        # top-p without top-k starts inside a narrowed bracket: its target is known; after top-k it is set by
-        # the first top-p round (top_p times the top-k set's mass)
-        tl.store(sf + F_TARGET, tl.where(k_on, -1.0, top_p * total), mask=last)
-        tl.store(sf + F_MIN_P, min_p, mask=last)
-        tl.store(sf + F_S, s, mask=last)
-        tl.store(sf + F_TOTAL, total, mask=last)
-        token = tl.where(phase != PHASE_NONE, INVALID, token)  # a later launch writes it; one it misses stays invalid
-        tl.store(out_ptr + rows, token, mask=last)
+        _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo,
+                     hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
 
 
 @triton.jit
@@ -1044,11 +1090,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # tiles only serve bounded rows; a block holds whole tiles
     n_tiles = cdiv(V, tile_len) if tile_len else 0
-    n_chunk_tiles = next_power_of_2(cdiv(chunk_blocks * block, tile_len)) if tile_len else 1
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         # the largest [R, ., .] tile of the kernels, per row
         tile = max(block * nt, cap * 4, block_r * bins, nt * 32, (next_power_of_2(split) * n_groups) ** 2,
-                   TILES_PER_LOAD * max(n_chunk_tiles, tile_len))  # fmt: skip
+                   TILES_PER_LOAD * tile_len, next_power_of_2(n_tiles))  # fmt: skip
         rows = 1 if logits.is_cuda else min(next_power_of_2(B), max(1, 2**20 // tile))
     if rounds is None:
         rounds = 2 * rounds_per_phase(bins)  # top-k then top-p
@@ -1057,6 +1102,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
     part_g = torch.empty(B, split, max(n_groups, 1), dtype=torch.float32, device=device)
     part_t = torch.empty(B, max(n_tiles, 1), dtype=torch.float32, device=device)
+    tile_list = torch.empty(B, max(n_tiles, 1), dtype=torch.int32, device=device)
     search_f = torch.empty(B, split, nt + 1, dtype=torch.float32, device=device)
     search_i = torch.empty(B, split, nt + 1, dtype=torch.int32, device=device)
     buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
@@ -1081,10 +1127,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
     _gather_count_kernel[grid](
-        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, search_f, search_i,
-        buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows,
+        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, search_f,
+        search_i, buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows,
         BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
-        TILE=tile_len, CT=n_chunk_tiles, NS=TILES_PER_LOAD, **opts,
+        TILE=tile_len, N_TILES=next_power_of_2(max(n_tiles, 1)), NS=TILES_PER_LOAD, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings

@@ -878,36 +878,35 @@ def test_group_bound_is_at_or_below_the_kth_logit(V, block, split, exact):
 @pytest.mark.parametrize(
     "V, block, split, k",
     [
-        (4096, 512, 1, 100),  # 32 tiles of 128 in one chunk, most of them reach the bound: more than one load's 16
-        (1000, 64, 3, 7),  # tiles of 64, the last chunk (and its last tile) cut at V
+        (8192, 512, 1, 100),  # 64 tiles of 128 in one chunk, most of them reach the threshold: two loads of 32
+        (1000, 64, 3, 7),  # tiles of 64 over 3 chunks, the row's last tile cut at V
     ],
 )
-def test_bounded_list_holds_every_logit_at_or_above_its_threshold(V, block, split, k):
-    # launch 2 reads only the tiles whose max reaches a bounded row's threshold: its list must hold every x >= it
-    # (S_LISTED counts the appends), no more (no tile twice, nothing past V: the next row's tokens) and no fewer
-    # (a tile whose max equals the threshold; the row's last tile, lifted here)
+def test_list_from_tiles_holds_every_logit_at_or_above_its_threshold(V, block, split, k):
+    # launch 2 finishes a sampled top-k row (k <= its group maxima) in one program from the tiles whose max reaches
+    # its list threshold: the list must hold every x >= it (S_LISTED counts the appends), no more (no tile twice,
+    # nothing past V: the next row's tokens) and no fewer (a tile whose max equals the threshold; the row's last
+    # tile, lifted here). The last row has fewer finite logits than k (top-k off): its list is every one of them
     g = torch.Generator().manual_seed(5)
-    B = 5
+    B = 6
     logits = torch.randn(B, V, generator=g)
     logits[1] = logits[1].round()  # ties: many tiles whose max equals the threshold
     logits[2, -1] = 10.0  # the max in the row's last tile
     logits[3, : V // 2] = float("-inf")  # half the row masked: tiles with no finite x
+    logits[5, 3:] = float("-inf")  # 3 finite logits < k: top-k off, top-p 0.9 keeps its share of them
+    top_p = torch.tensor([1.0] * (B - 1) + [0.9])
     state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
     ones, zeros = torch.ones(B), torch.zeros(B)
-    out = fused.launch(logits, ones, torch.full((B,), k), ones, zeros, zeros.long(), torch.arange(B), block=block,
+    out = fused.launch(logits, ones, torch.full((B,), k), top_p, zeros, zeros.long(), torch.arange(B), block=block,
                        split=split, state=state)  # fmt: skip
     assert (state[:, fused.S_PATH.value] == fused.PATH_LIST.value).all()
     spec = state[:, fused.S_SPEC.value]
     at_or_above = (ordered_keys(logits) >= spec[:, None]) & (logits > float("-inf"))
-    assert torch.equal(state[:, fused.S_LISTED.value], at_or_above.sum(1)), (
-        state[:, fused.S_LISTED.value],
-        at_or_above.sum(1),
-    )
-    assert at_or_above.sum(1).min() >= k
+    listed = state[:, fused.S_LISTED.value]
+    assert torch.equal(listed, at_or_above.sum(1)), (listed, at_or_above.sum(1))
+    assert listed[:-1].min() >= k and listed[-1] == 3
     probs = torch.softmax(logits.double(), -1)
-    keep = naive.filter_probs(
-        probs, torch.full((B,), k), torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
-    )
+    keep = naive.filter_probs(probs, torch.full((B,), k), top_p.double(), torch.zeros(B, dtype=torch.float64))
     assert keep[torch.arange(B), out].all()
 
 
