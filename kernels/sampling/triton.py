@@ -336,10 +336,10 @@ def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, to
 
 
 @triton.jit
-def _load_group_maxima(part_g_ptr, rows, split, B, G: tl.constexpr, SPLIT: tl.constexpr):
-    """The row's split * G group maxima from the stats launch -> [R, SPLIT * G], -inf past them."""
+def _load_group_maxima(part_g_ptr, rows, row_ok, split, G: tl.constexpr, SPLIT: tl.constexpr):
+    """The rows' split * G group maxima from the stats launch -> [R, SPLIT * G], -inf past them."""
     u = tl.arange(0, SPLIT * G)
-    valid = (rows < B)[:, None] & (u < split * G)[None, :]
+    valid = row_ok[:, None] & (u < split * G)[None, :]
     return tl.load(part_g_ptr + rows[:, None] * (split * G) + u[None, :], mask=valid, other=float("-inf"))
 
 
@@ -588,32 +588,13 @@ def _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, r
 
 
 @triton.jit
-def _finish_from_tiles(
-    base, rows, here, V, B, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr,
-    min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr,
-    n_tiles, tile_list_ptr, buf_val_ptr, buf_idx_ptr, state_i_ptr, state_f_ptr, out_ptr, split, CAP: tl.constexpr,
-    LOG_CAP: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
-    NS: tl.constexpr,
-):  # fmt: skip
-    """Rows `here` (sampled, top-k with 0 < k <= split * G), each finished by this one program. List threshold
-    s: the k-th largest of the row's group maxima (_group_bound), at or below the k-th logit; when k is not below
-    the row's finite logits (top-k off), the smallest finite logit (at most k tokens). Only a tile whose max
-    (stats launch) is >= s can hold an x >= s: the selected tiles' ids are listed (tile_list [B, n_tiles]), then
-    read NS tiles at a time, each x >= s appended to the row's list at its prefix-sum position (one program: no
-    atomics). That is about k tiles of a row at k = 50 on every benchmark shape, a few % of it, where a pass of
-    the whole row in launch 2's programs held B = 256 at 427 us (profile_sampling at 2afaede, 1 program per SM).
-    The list holds the cut unless it overflows CAP; then the radix rounds start from [s, max]."""
-    maxima = _load_group_maxima(part_g_ptr, rows, split, B, G, SPLIT)  # with the setup's loads: one round trip
+def _gather_tiles(base, t_max, spec, rows, filtered, tile_list_ptr, n_tiles, buf_val_ptr, buf_idx_ptr, V,
+                  CAP: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, NS: tl.constexpr):  # fmt: skip
+    """Every x >= spec of the rows `filtered` into their lists, by one program -> the number of such x [R]. Only a
+    tile whose max (t_max [R, N_TILES], from the stats launch) is >= spec holds one: the selected tiles' ids are
+    listed (tile_list [B, n_tiles]), then read NS tiles at a time, each x >= spec appended at its prefix-sum
+    position (no atomics). At top-k 50 that is about k tiles of a row on every benchmark shape, a few % of it."""
     t = tl.arange(0, N_TILES)
-    t_ok = here[:, None] & (t < n_tiles)[None, :]
-    t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
-    seed = tl.load(seed_ptr + rows * seed_stride, mask=here, other=0).to(tl.int64)
-    step = tl.load(step_ptr + rows * step_stride, mask=here, other=0).to(tl.int64)
-    (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
-     unfiltered) = _row_setup(rows, here, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                              top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
-    s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
-    spec = tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min)
     sel = filtered[:, None] & (t_max >= spec[:, None])  # [R, N_TILES]
     rank = tl.cumsum(sel.to(tl.int32), 1) - 1
     tile_list = tile_list_ptr + rows[:, None] * n_tiles
@@ -637,16 +618,8 @@ def _finish_from_tiles(
         tl.store(buf_val_ptr + at, x, mask=take & (pos < CAP))
         tl.store(buf_idx_ptr + at, cols, mask=take & (pos < CAP))
         n_list += tl.sum(take.to(tl.int32), 1)
-    tl.debug_barrier()  # the list's stores before the finish loads it
-    listed = filtered & (n_list <= CAP)
-    if tl.max(listed.to(tl.int32)) > 0:
-        drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p, min_p,
-                                  k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
-        token = tl.where(listed, drawn, token)
-    radix = filtered & ~listed
-    _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, here, token, listed, radix & False, radix, unfiltered,
-                 _ordered_key(spec + 0.0).to(tl.int64), _ordered_key(m).to(tl.int64), float("-inf") + m * 0, spec,
-                 n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
+    tl.debug_barrier()  # the list's stores before the finish loads them
+    return n_list
 
 
 @triton.jit
@@ -685,12 +658,15 @@ def _gather_count_kernel(
     LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
     NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. Sampled rows with top-k 0 < k <= split * G (G > 0) are finished by their chunk-0 program alone, from the
-    tiles that can hold the cut (_finish_from_tiles); the row's other programs exit. Every other row: one pass over
-    this chunk gathers x >= spec (a speculative threshold) into the row's list and counts (top-p without top-k:
-    also weighs) x >= t_j at NT thresholds; the row's last program to arrive finishes the rows whose list holds
-    the cut and writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN for
-    the rows still open)."""
+    """2. A sampled row with top-k 0 < k <= split * G (G > 0) is finished by its chunk-0 program alone: its list
+    threshold is the k-th largest group maximum (_group_bound: at or below the k-th logit; when k is not below the
+    row's finite logits, top-k is off and it is the smallest finite logit, at most k tokens), and only the tiles
+    whose max reaches it are read (_gather_tiles); its other programs exit after two parameter loads. Every other
+    row: one pass over this chunk gathers x >= spec (a speculative threshold) into the row's list and counts
+    (top-p without top-k: also weighs) x >= t_j at NT thresholds; the row's last program to arrive decides
+    (_count_outcome). Either way the deciding program finishes the rows whose list holds the cut (a list that
+    overflows CAP sends a row from tiles to the radix rounds from [threshold, max]) and writes the others' state
+    (regather, radix rounds, race) and every row's token (INVALID_TOKEN for the rows still open)."""
     allow_dependents(PDL)
     chunk = tl.program_id(1)
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
@@ -702,43 +678,76 @@ def _gather_count_kernel(
         temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
         k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
         from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G)
-        here = from_tiles & (rows * 0 + chunk == 0)
-        if tl.max(here.to(tl.int32)) > 0:
-            _finish_from_tiles(base, rows, here, V, B, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                               top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride,
-                               part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, buf_val_ptr,
-                               buf_idx_ptr, state_i_ptr, state_f_ptr, out_ptr, split, CAP, LOG_CAP, SPLIT, G, TILE,
-                               N_TILES, NS)  # fmt: skip
-        shared = in_batch & ~from_tiles
     else:
-        shared = in_batch
-    if tl.max(shared.to(tl.int32)) > 0:
-        _gather_count_rows(base, rows, shared, chunk, start, end, B, V, temp_ptr, temp_stride, top_k_ptr,
-                           top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride,
-                           step_ptr, step_stride, part_f_ptr, part_i_ptr, search_f_ptr, search_i_ptr, buf_val_ptr,
-                           buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, BLOCK, CAP, LOG_CAP,
-                           NT, LOG_NT, SPLIT)  # fmt: skip
+        from_tiles = in_batch & False
+    here = from_tiles & (rows * 0 + chunk == 0)
+    shared = in_batch & ~from_tiles
+    mine = here | shared
+    if tl.max(mine.to(tl.int32)) > 0:
+        if G > 0:  # with the setup's loads: one round trip
+            maxima = _load_group_maxima(part_g_ptr, rows, here, split, G, SPLIT)
+            t = tl.arange(0, N_TILES)
+            t_ok = here[:, None] & (t < n_tiles)[None, :]
+            t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=mine, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows * step_stride, mask=mine, other=0).to(tl.int64)
+        (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
+         unfiltered) = _row_setup(rows, mine, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
+                                  top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split,
+                                  SPLIT)  # fmt: skip
+        spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
+                                      mp_on, filtered, CAP)  # fmt: skip
+        # the decision of the rows this program decides for (`last`); rows from tiles: the rounds' bracket
+        # [threshold, max] if their list overflows
+        last = here
+        n_list = tl.zeros((R,), tl.int32)
+        listed = here & False
+        regather = listed
+        radix = listed
+        s = tl.full((R,), float("-inf"), tl.float32)
+        if G > 0:
+            if tl.max(here.to(tl.int32)) > 0:
+                s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
+                spec = tl.where(here, tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min), spec)
+                n_list = _gather_tiles(base, t_max, spec, rows, here & filtered, tile_list_ptr, n_tiles, buf_val_ptr,
+                                       buf_idx_ptr, V, CAP, TILE, N_TILES, NS)  # fmt: skip
+                listed = here & filtered & (n_list <= CAP)
+                radix = here & filtered & ~listed
+        lo = _ordered_key(spec + 0.0).to(tl.int64)
+        hi = _ordered_key(m).to(tl.int64)
+        if tl.max(shared.to(tl.int32)) > 0:
+            last_shared, n_list_s, listed_s, regather_s, s_s, radix_s, lo_s, hi_s = _gather_count_rows(
+                base, rows, shared, filtered & shared, chunk, start, end, B, split, spec, m, c, total, x_min, n_finite,
+                mean, std, top_k, top_p, min_p, k_on, p_on, mp_on, search_f_ptr, search_i_ptr, buf_val_ptr,
+                buf_idx_ptr, counter_ptr, BLOCK, CAP, NT, LOG_NT, SPLIT,
+            )  # fmt: skip
+            last = here | last_shared
+            n_list = tl.where(last_shared, n_list_s, n_list)
+            listed = tl.where(last_shared, listed_s, listed)
+            regather = tl.where(last_shared, regather_s, regather)
+            radix = tl.where(last_shared, radix_s, radix)
+            s = tl.where(last_shared, s_s, s)
+            lo = tl.where(last_shared, lo_s, lo)
+            hi = tl.where(last_shared, hi_s, hi)
+        if tl.max(listed.to(tl.int32)) > 0:
+            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
+                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+            token = tl.where(listed, drawn, token)
+        _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo,
+                     hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
 
 
 @triton.jit
 def _gather_count_rows(
-    base, rows, shared, chunk, start, end, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-    top_p_stride, min_p_ptr, min_p_stride, seed_ptr, seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr,
-    search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    base, rows, shared, filtered, chunk, start, end, B, split, spec, m, c, total, x_min, n_finite, mean, std, top_k,
+    top_p, min_p, k_on, p_on, mp_on, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr,
+    BLOCK: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Launch 2 for rows `shared` (every row not finished from tiles): the gather + count pass over this chunk;
-    the row's last program to arrive decides (_count_outcome) and finishes it from the list or writes its state."""
-    (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
-     unfiltered) = _row_setup(rows, shared, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                              top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
-    spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
-                                  mp_on, filtered, CAP)  # fmt: skip
+    """Launch 2 for rows `shared` (the rows not finished from tiles; `filtered`: those with a filter): the gather +
+    count pass over this chunk -> (the rows whose last program this is, and their decision, _count_outcome)."""
     R: tl.constexpr = rows.shape[0]
     j = tl.arange(0, NT)
-    SW: tl.constexpr = NT + 1
-    sbase = (rows * split + chunk) * SW  # this chunk's partials
+    sbase = (rows * split + chunk) * (NT + 1)  # this chunk's partials
     if tl.max(filtered.to(tl.int32)) > 0:  # [R, NT], decreasing
         thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
         use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
@@ -751,25 +760,25 @@ def _gather_count_rows(
         cnt = tl.zeros((R, NT), tl.int32)
         mass = tl.zeros((R, NT), tl.float32)
         mass_spec = tl.zeros((R,), tl.float32)
-    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=row_ok[:, None])
-    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=row_ok[:, None])
-    tl.store(search_f_ptr + sbase + NT, mass_spec, mask=row_ok)
+    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=shared[:, None])
+    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=shared[:, None])
+    tl.store(search_f_ptr + sbase + NT, mass_spec, mask=shared)
     tl.debug_barrier()  # every thread's stores before the release below
-    arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (arrived == split - 1)  # the row's last program to arrive decides for it
+    arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=shared, sem="acq_rel", scope="gpu")
+    last = shared & (arrived == split - 1)  # the row's last program to arrive decides for it
+    n_list = tl.zeros((R,), tl.int32)
+    listed = last & False
+    regather = listed
+    radix = listed
+    s = tl.zeros((R,), tl.float32)
+    lo = tl.zeros((R,), tl.int64)
+    hi = lo
     if tl.max(last.to(tl.int32)) > 0:
-        seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)  # with the partials' loads
-        step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
         n_list, listed, regather, s, radix, lo, hi = _count_outcome(
             search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
             top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
         )  # fmt: skip
-        if tl.max(listed.to(tl.int32)) > 0:
-            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
-                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
-            token = tl.where(listed, drawn, token)
-        _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo,
-                     hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
+    return last, n_list, listed, regather, s, radix, lo, hi
 
 
 @triton.jit
