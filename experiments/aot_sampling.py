@@ -30,7 +30,8 @@ V = 248_320
 NUM_WARPS = 8  # every sampling launch on the GPU
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
-                "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32", "tile_list_ptr": "*i32"}  # fmt: skip
+                "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
+                "tile_list_ptr": "*i32"}  # fmt: skip
 
 
 def signature(kernel, constexprs: dict):
@@ -56,14 +57,14 @@ def launch_params(B: int) -> dict:
     persistent, split_r = fused.resolve_plan(B, split, SMS)
     return {"B": B, "block": block, "block_c": min(block, 1024), "block_r": min(block, max(16, 4096 // bins)),
             "split": split, "bins": bins, "cap": 1024, "nt": 8,
-            "groups": fused.group_count(fused.GROUPS, split, block) if hasattr(fused, "group_count") else 0,
+            "groups": fused.group_count(fused.GROUPS, split, block), "tiles": fused.tiles_pay_off(B, split, SMS),
             "resolve_persistent": persistent, "resolve_split": split_r}  # fmt: skip
 
 
 def kernels_at(p: dict) -> dict:
     """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
     tile = min(fused.TILE_TOKENS, p["block_c"]) if p["groups"] else 0
-    g = {"G": p["groups"], "TILE": tile} if p["groups"] else {"TILE": 0}
+    g = {"G": p["groups"], "TILE": tile}
     tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)) if tile else 1, "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip

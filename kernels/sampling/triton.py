@@ -647,18 +647,19 @@ def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtere
 
 
 @fast_launch
-@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["n_tiles"])
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["n_tiles", "tiles_on"])
 def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, search_f_ptr, search_i_ptr, buf_val_ptr,
-    buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
+    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, tiles_on, search_f_ptr, search_i_ptr,
+    buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
     R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
     LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
     NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. A sampled row with top-k 0 < k <= split * G (G > 0) is finished by its chunk-0 program alone: its list
+    """2. A sampled row with top-k 0 < k <= split * G (G > 0, tiles_on: tiles_pay_off) is finished by its chunk-0
+    program alone: its list
     threshold is the k-th largest group maximum (_group_bound: at or below the k-th logit; when k is not below the
     row's finite logits, top-k is off and it is the smallest finite logit, at most k tokens), and only the tiles
     whose max reaches it are read (_gather_tiles); its other programs exit after two parameter loads. Every other
@@ -677,7 +678,7 @@ def _gather_count_kernel(
     if G > 0:  # from the parameters alone, so that the row's other programs can leave at once
         temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
         k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
-        from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G)
+        from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G) & (rows * 0 + tiles_on != 0)
     else:
         from_tiles = in_batch & False
     here = from_tiles & (rows * 0 + chunk == 0)
@@ -1050,6 +1051,15 @@ def rounds_per_phase(bins: int) -> int:
     return rounds
 
 
+def tiles_pay_off(B: int, split: int, sms: int) -> bool:
+    """Whether launch 2 finishes top-k rows from tiles (one program a row): not when its grid (B * split programs,
+    one row each) fits in one wave on `sms` SMs (0: the CPU interpreter, always). There every row's pass is spread
+    over its chunks' programs at once, and the one program's chain is longer: B = 1 top-k 50 + top-p 0.9, launch 2
+    44 us (profile_sampling at 0e75ebe) against ~18 us for the gather + count pass (2afaede). From one wave up
+    the tiles win: B = 256, 258 us against 650 (bench_sampling, 0e75ebe against a9bf946)."""
+    return sms == 0 or B * split > sms
+
+
 def group_count(groups: int, split: int, block: int) -> int:
     """Group maxima per program of the stats launch: a power of 2, groups // split of them (at least 1), at most
     a block's slots (a group is a set of slots); 0 when groups is 0 (no top-k bound)."""
@@ -1059,7 +1069,7 @@ def group_count(groups: int, split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None):  # fmt: skip
+           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None, tiles=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1071,8 +1081,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
-    groups (group maxima per row, about: top-k rows with k up to that many take their list threshold from them
-    and count no thresholds; 0: never) is both."""
+    groups (group maxima per row, about: sampled top-k rows with k up to that many are finished from tiles by one
+    program; 0: never) is both, as is tiles (whether those rows are; default: tiles_pay_off)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -1095,6 +1105,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         split = min(SPLIT_MAX, cdiv(2048, B), cdiv(V, block))  # least a block (one row per program on the GPU)
     split = 1 if split is None else split
     assert 1 <= split <= SPLIT_MAX
+    if tiles is None:
+        tiles = tiles_pay_off(B, split, _sm_count(logits.device) if logits.is_cuda else 0)
     n_groups = group_count(groups, split, block)
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # tiles only serve bounded rows; a block holds whole tiles
@@ -1136,9 +1148,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
     _gather_count_kernel[grid](
-        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, search_f,
-        search_i, buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows,
-        BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
+        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, int(tiles),
+        search_f, search_i, buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c),
+        R=rows, BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
         TILE=tile_len, N_TILES=next_power_of_2(max(n_tiles, 1)), NS=TILES_PER_LOAD, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program

@@ -816,8 +816,8 @@ def paths_of(state):
     return {int(p): int((state[:, fused.S_PATH.value] == p).sum()) for p in state[:, fused.S_PATH.value].unique()}
 
 
-@pytest.mark.parametrize("groups", [fused.GROUPS, 0])
-def test_benchmark_shapes_never_need_the_radix_rounds(groups):
+@pytest.mark.parametrize("groups, tiles", [(fused.GROUPS, True), (fused.GROUPS, False), (0, True)])
+def test_benchmark_shapes_never_need_the_radix_rounds(groups, tiles):
     # top-k 50 + top-p 0.9 (the benchmark's target mode) on every shape. With the group bound (the default) the
     # list at the k-th largest group maximum holds the cut on every row: no regather, no rounds. Without it (top-k
     # above the groups), launch 2's list or its regather at a counted threshold holds it (the normal-fit
@@ -830,12 +830,12 @@ def test_benchmark_shapes_never_need_the_radix_rounds(groups):
     state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
     out = fused.launch(logits, temperature, torch.full((B,), 50), torch.full((B,), 0.9), torch.zeros(B),
                        torch.zeros(B, dtype=torch.long), torch.arange(B), cap=256, block=512, state=state,
-                       groups=groups)  # fmt: skip
+                       groups=groups, tiles=tiles)  # fmt: skip
     probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
     keep = naive.filter_probs(probs, torch.full((B,), 50), torch.full((B,), 0.9, dtype=torch.float64), torch.zeros(B))
     assert keep[torch.arange(B), out].all()
     paths = paths_of(state)
-    if groups:
+    if groups and tiles:
         assert paths == {fused.PATH_LIST.value: B}, paths
     else:
         assert set(paths) <= {fused.PATH_LIST.value, fused.PATH_REGATHER.value}, paths
@@ -908,6 +908,19 @@ def test_list_from_tiles_holds_every_logit_at_or_above_its_threshold(V, block, s
     probs = torch.softmax(logits.double(), -1)
     keep = naive.filter_probs(probs, torch.full((B,), k), top_p.double(), torch.zeros(B, dtype=torch.float64))
     assert keep[torch.arange(B), out].all()
+
+
+@pytest.mark.parametrize(
+    "B, split, sms, tiles",
+    [
+        (1, 122, 132, False),  # H200, B = 1: launch 2's 122 programs in one wave, each row's pass spread over them
+        (2, 122, 132, True),  # two waves
+        (256, 8, 132, True),
+        (1, 122, 0, True),  # the CPU interpreter
+    ],
+)
+def test_tiles_pay_off(B, split, sms, tiles):
+    assert fused.tiles_pay_off(B, split, sms) is tiles
 
 
 def tiered_logits(n_up, V, seed):
