@@ -4,7 +4,8 @@
 # Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
 #         bench_sampling (its options in $SAMPLING_ARGS), profile_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
 #         bench_checkpoint_fp8, runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_fp8_prefill (pre-pass + linear FP8 x FP8 tiles vs cuBLAS bf16, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), profile_loop (the graphed step kernel by kernel), ab / ab_fp8 (the step with
-#         the op files of $AB_VARIANTS, experiments/ab_decode_step.py), tune_loop (+ in-loop config
+#         the op files of $AB_VARIANTS, experiments/ab_decode_step.py), ab_sampling (the sampler's versions in $AB_SAMPLING,
+#         experiments/ab_sampling.py; carry .ab), tune_loop (+ in-loop config
 #         descent, tables written), tune_loop_fp8 (the same for the FP8 model), run_122b_fp8 (122B-A10B FP8 on one GPU), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,7 @@ except Exception as e:
     loop) STAGE_TIMEOUT=200 run_stage loop python3 experiments/tune_decode_loop.py --skip-descent ;;
     profile_loop) STAGE_TIMEOUT=200 run_stage profile_loop python3 experiments/profile_decode_loop.py ;;
     ab) STAGE_TIMEOUT=200 run_stage ab python3 experiments/ab_decode_step.py $AB_VARIANTS ;;
+    ab_sampling) STAGE_TIMEOUT=300 run_stage ab_sampling python3 experiments/ab_sampling.py $AB_SAMPLING ;;
     ab_fp8) STAGE_TIMEOUT=200 run_stage ab_fp8 python3 experiments/ab_decode_step.py --weights fp8 --out results/ab_decode_step_fp8.json $AB_VARIANTS ;;
     tune_loop) run_stage tune_loop python3 experiments/tune_decode_loop.py --write-tables ;;
     tune_loop_fp8) run_stage tune_loop_fp8 python3 experiments/tune_decode_loop.py --weights fp8 --write-tables --out results/tune_decode_loop_fp8.json ;;
