@@ -12,13 +12,14 @@ Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit, the number, sum and sum
-   of squares of the finite logits, and the maxima of groups of its slots -> a small workspace. It also zeroes
-   the rows' counters of the later launches.
-2. `_gather_count_kernel` (one pass): every program combines the chunk stats, gathers every x >= s of its chunk
-   into the row's list of CAP slots (slot from an atomic counter: the list's order does not matter, see 5.). For
-   top-k with k <= the row's group maxima s is the k-th largest of them, never above the cut (`_group_bound`),
-   and nothing is counted; for other filtered rows s is a speculative threshold, and the pass also counts (and,
-   for top-p without top-k, weighs) x >= t_j at NT thresholds
+   of squares of the finite logits, the maxima of groups of its slots and of its tiles of 128 tokens -> a small
+   workspace. It also zeroes the rows' counters of the later launches.
+2. `_gather_count_kernel`: a sampled top-k row with k <= its group maxima (where launch 2's grid takes more than
+   one wave: `tiles_pay_off`) is finished by one program: s is the k-th largest group maximum, never above the
+   cut (`_group_bound`), and only the tiles whose max reaches s are read (`_gather_tiles`). Other rows, one pass:
+   every program combines the chunk stats, gathers every x >= s of its chunk into the row's list of CAP slots
+   (slot from an atomic counter: the list's order does not matter, see 5.); s is a speculative threshold, and the
+   pass also counts (and, for top-p without top-k, weighs) x >= t_j at NT thresholds
    (half geometric between the max and the smallest logit, half at the logits where a normal fit of the row
    predicts k/2 .. 8 CAP tokens above). The row's last program to arrive sums the partials in chunk order and
    decides: the list holds the cut (s at or below it, <= CAP tokens) -> finish (5.) now; else a threshold t_j
