@@ -67,7 +67,7 @@ SPLIT_MAX = 128  # programs per row, at most
 GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): top-k's list threshold for k <= this
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
 STEP_PROGRAMS_PER_SM = 4  # launch 3's programs per SM when it is a launch per step (2 resident at its registers)
-TILE_TOKENS = 128  # a tile (a warp's 128-bit loads): launch 2's bounded rows read only tiles that reach their bound
+TILE_TOKENS = 128  # a tile (a warp's 128-bit loads): launch 2 reads only the tiles that reach a row's group bound
 TILES_PER_LOAD = 32  # selected tiles loaded at once by those rows (4,096 tokens: 16 a thread)
 GREEDY_SPLIT_MAX = 256  # the greedy pass has no per-row state to combine: more, smaller chunks at B = 1
 
@@ -203,7 +203,7 @@ def _stats_kernel(
             xf = tl.where(finite, x, 0.0)
             s1 += xf
             s2 += xf * xf
-            if TILE > 0:  # launch 2's bounded rows read only the tiles whose max reaches their list threshold
+            if TILE > 0:  # launch 2's rows from tiles read only the tiles whose max reaches their threshold
                 tiles = off // TILE + tl.arange(0, BLOCK // TILE)
                 t_max = tl.max(tl.reshape(x, (R, BLOCK // TILE, TILE)), 2)  # [R, BLOCK // TILE]
                 t_ok = sampled[:, None] & (tiles * TILE < end)[None, :]
@@ -1110,7 +1110,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         tiles = tiles_pay_off(B, split, _sm_count(logits.device) if logits.is_cuda else 0)
     n_groups = group_count(groups, split, block)
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
-    tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # tiles only serve bounded rows; a block holds whole tiles
+    tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # only rows from tiles read them; a block holds whole ones
     n_tiles = cdiv(V, tile_len) if tile_len else 0
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         # the largest [R, ., .] tile of the kernels, per row
