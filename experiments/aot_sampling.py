@@ -73,7 +73,11 @@ def kernels_at(p: dict) -> dict:
                "PDL": True}  # fmt: skip
     programs, programs_r = p["B"] * p["split"], p["B"] * p["resolve_split"]  # one row per program on the GPU
     return {
-        "stats": (fused._stats_kernel, {"R": 1, "BLOCK": p["block"], "PDL": True, **g}, programs),
+        "stats": (
+            fused._stats_kernel,
+            {"R": 1, "BLOCK": p["block"], "PDL": True, **g, "TILE": tile if p["tiles"] else 0},
+            programs,
+        ),
         "gather_count": (fused._gather_count_kernel, gather, programs),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
     }

@@ -1145,7 +1145,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     SPLIT = next_power_of_2(split)
     _stats_kernel[grid](
         logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, part_g, part_t, n_tiles,
-        counters, counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups, TILE=tile_len, **opts,
+        counters, counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups,
+        TILE=tile_len if tiles else 0, **opts,  # no tile maxima (and their store's barriers) where no row reads them
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
     _gather_count_kernel[grid](
