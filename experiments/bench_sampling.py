@@ -165,7 +165,12 @@ def bench_case(mode: str, shape: str, B: int, V: int, dtype, device: str, baseli
         phase, path = state[:, fused.S_PHASE.value], state[:, fused.S_PATH.value]
         rounds = state[:, fused.S_ROUNDS_K.value] + state[:, fused.S_ROUNDS_P.value]
         paths = {name: int((path == value).sum()) for name, value in PATHS.items()}
-        radix = {"radix_rows": paths["radix"], "max_rounds": int(rounds.max()), "paths": paths}
+        radix = {
+            "radix_rows": paths["radix"],
+            "max_rounds": int(rounds.max()),
+            "paths": paths,
+            "max_listed": int(state[:, fused.S_LISTED.value].max()),
+        }  # the fullest list (tokens >= its threshold)
         if ((phase == fused.PHASE_TOP_K.value) | (phase == fused.PHASE_TOP_P.value)).any():
             error = error or f"{mode}: rows left unfinished by the radix rounds"
     if error:
