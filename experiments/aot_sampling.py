@@ -70,7 +70,8 @@ def kernels_at(p: dict) -> dict:
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
                "LOG_CAP": 10, "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"],
-               "PDL": True}  # fmt: skip
+               "GRID": False, "PDL": True}  # fmt: skip
+    grid = resolve | {"SPLIT": next_power_of_2(p["split"]), "PERSISTENT": False, "GRID": True}  # launch(grid_steps=)
     programs, programs_r = p["B"] * p["split"], p["B"] * p["resolve_split"]  # one row per program on the GPU
     return {
         "stats": (
@@ -80,6 +81,7 @@ def kernels_at(p: dict) -> dict:
         ),
         "gather_count": (fused._gather_count_kernel, gather, programs),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
+        "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
     }
 
 

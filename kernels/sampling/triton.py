@@ -135,12 +135,14 @@ def _key_value(key):
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-# the row's counters (int32 [N_COUNTERS + steps, B]), zeroed by the stats launch: arrivals and list fill of launch 2
-# and of the regather, the race's arrivals, the round decisions made, then the arrivals of each step of launch 3
-C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST, C_RACE_ARRIVED, C_DECIDED = (
-    tl.constexpr(i) for i in range(6)
+# the row's counters (int32 [N_COUNTERS + 2 * steps + 1, B]), zeroed by the stats launch: arrivals and list fill of
+# launch 2 and of the regather, the race's arrivals, the round decisions made, the rows launch 2 left open (entry 0),
+# then the arrivals of each step of launch 3; for launch 3 as one grid (GRID): its barrier's arrivals (entry 0), then
+# per step the programs that worked (entry 0)
+C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST, C_RACE_ARRIVED, C_DECIDED, C_OPEN = (
+    tl.constexpr(i) for i in range(7)
 )
-N_COUNTERS = tl.constexpr(6)
+N_COUNTERS = tl.constexpr(7)
 N_STATS_F = tl.constexpr(5)  # per chunk: max, sum of p relative to it, smallest finite logit, sum x, sum x^2
 N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 
@@ -553,8 +555,8 @@ def _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, 
 
 
 @triton.jit
-def _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo, hi, s,
-                 spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min):  # fmt: skip
+def _write_state(state_i_ptr, state_f_ptr, out_ptr, open_ptr, rows, last, token, listed, regather, radix, unfiltered,
+                 lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min):  # fmt: skip
     """Launch 2's decision for rows `last` -> their state (phase, bracket, path, ...) and token (INVALID_TOKEN for
     rows still open: a later launch writes it; one it misses stays invalid). Rows whose kept set may exceed CAP
     (`radix`): the radix rounds find top-k's cut, then top-p's, over all the row's programs; min-p is closed form
@@ -586,6 +588,9 @@ def _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, r
     tl.store(sf + F_S, s, mask=last)
     tl.store(sf + F_TOTAL, total, mask=last)
     tl.store(out_ptr + rows, tl.where(phase != PHASE_NONE, INVALID, token), mask=last)
+    n_open = tl.sum((last & (phase != PHASE_NONE)).to(tl.int32))
+    if n_open > 0:  # launch 3 as one grid leaves at once when no row is open
+        tl.atomic_add(open_ptr, n_open, sem="relaxed")
 
 
 @triton.jit
@@ -735,8 +740,9 @@ def _gather_count_kernel(
             drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
                                       min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
             token = tl.where(listed, drawn, token)
-        _write_state(state_i_ptr, state_f_ptr, out_ptr, rows, last, token, listed, regather, radix, unfiltered, lo,
-                     hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
+        _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, last, token, listed,
+                     regather, radix, unfiltered, lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m,
+                     total, x_min)  # fmt: skip
 
 
 @triton.jit
@@ -989,40 +995,94 @@ def _resolve_kernel(
     logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
     buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split,
     chunk_blocks, first_step, steps, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
-    CAP: tl.constexpr, LOG_CAP: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    CAP: tl.constexpr, LOG_CAP: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, GRID: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """3. Steps first_step .. first_step + steps - 1 for the rows launch 2 left open (the others exit at once):
     each step is one pass over the chunk for every open row, the one its phase asks for: the regather (then the
     row is finished), a radix round, or the race (finished). A row in the rounds takes its next step once the
     round's decision is made: PERSISTENT, the row's programs wait for it here (all of them are resident: see
-    launch()); else each launch is one step (steps = 1, the host launches the next: the CPU interpreter, which
-    runs one program after another)."""
+    launch()); GRID, a grid of resident programs runs every step over all (row, chunk) items, a barrier of the
+    whole grid between steps (_grid_steps); else each launch is one step (steps = 1, the host launches the next:
+    the CPU interpreter, which runs one program after another)."""
     allow_dependents(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    chunk = tl.program_id(1)
-    st = state_i_ptr + rows * N_STATE
-    sf = state_f_ptr + rows * N_STATE
-    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
-    wait_for_producers(PDL)
-    phase = tl.load(st + S_PHASE, mask=rows < B, other=0)
-    if PERSISTENT:
-        s = first_step
-        while (s < first_step + steps) & (tl.max((phase != PHASE_NONE).to(tl.int32)) > 0):
-            rounds = _resolve_step(base, rows, phase, s, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
-                                   step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr,
-                                   race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP,
-                                   LOG_CAP, SPLIT)  # fmt: skip
-            # a row in the rounds since step 0 has had s + 1 decisions once this round's is made
-            rounds = _await_decisions(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
-            # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
-            phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
-            s += 1
-    elif tl.max((phase != PHASE_NONE).to(tl.int32)) > 0:  # one step, without the loop: 124 registers at 4 bins
-        # against 228 (sm_90 AOT), so more idle programs of a large batch (this path) run per SM; the test above
-        # lets them exit next to the phase load (sm_90: one predicated EXIT) instead of after three branches
-        _resolve_step(base, rows, phase, first_step, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
-                      step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr,
-                      race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP, LOG_CAP, SPLIT)  # fmt: skip
+    if GRID:
+        wait_for_producers(PDL)
+        _grid_steps(logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr,
+                    state_f_ptr, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr,
+                    counter_ptr, out_ptr, split, chunk_blocks, steps, R, BLOCK, BLOCK_R, NB, CAP, LOG_CAP,
+                    SPLIT)  # fmt: skip
+    else:  # (a return inside a constexpr if does not compile for the GPU)
+        rows = tl.program_id(0) * R + tl.arange(0, R)
+        chunk = tl.program_id(1)
+        st = state_i_ptr + rows * N_STATE
+        sf = state_f_ptr + rows * N_STATE
+        base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+        wait_for_producers(PDL)
+        phase = tl.load(st + S_PHASE, mask=rows < B, other=0)
+        if PERSISTENT:
+            s = first_step
+            while (s < first_step + steps) & (tl.max((phase != PHASE_NONE).to(tl.int32)) > 0):
+                rounds = _resolve_step(base, rows, phase, s, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
+                                       step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr,
+                                       race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP,
+                                       LOG_CAP, SPLIT)  # fmt: skip
+                # a row in the rounds since step 0 has had s + 1 decisions once this round's is made
+                rounds = _await_decisions(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
+                # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
+                phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
+                s += 1
+        elif tl.max((phase != PHASE_NONE).to(tl.int32)) > 0:  # one step, without the loop: 124 registers at 4 bins
+            # against 228 (sm_90 AOT), so more idle programs of a large batch (this path) run per SM; the test above
+            # lets them exit next to the phase load (sm_90: one predicated EXIT) instead of after three branches
+            _resolve_step(base, rows, phase, first_step, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr,
+                          step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr,
+                          race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP, LOG_CAP, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _grid_steps(logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, step_stride, state_i_ptr, state_f_ptr,
+                buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, counter_ptr, out_ptr,
+                split, chunk_blocks, steps, R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                NB: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Launch 3 as one grid of resident programs (at most one per SM: launch()): nothing to do when launch 2 left no
+    row open (C_OPEN, one load); else step after step, every program takes (row block, chunk) items pid, pid + P,
+    ... and runs the step each open row's phase asks for; a barrier of the whole grid orders one step's decisions
+    before the next step's reads. The grid stops after a step in which no program worked (every row finished in
+    the one before): the count of programs that worked is final once all have arrived, so every program reads the
+    same and stops together. A barrier that SPIN_LIMIT polls do not complete (a program not resident) stops it:
+    those rows stay INVALID_TOKEN."""
+    P = tl.num_programs(0)
+    n_items = tl.cdiv(B, R) * split
+    arrive_ptr = counter_ptr + (N_COUNTERS + steps) * B
+    go = tl.atomic_add(counter_ptr + C_OPEN * B, 0, sem="acquire", scope="gpu")
+    s = 0
+    while (s < steps) & (go > 0):
+        worked = 0  # items this program ran a step on
+        for item in range(tl.program_id(0), n_items, P):
+            rows = (item // split) * R + tl.arange(0, R)
+            chunk = item % split
+            st = state_i_ptr + rows * N_STATE
+            phase = tl.load(st + S_PHASE, mask=rows < B, other=0, volatile=True)
+            if tl.max((phase != PHASE_NONE).to(tl.int32)) > 0:
+                _resolve_step(logits_ptr + rows[:, None].to(tl.int64) * stride_row, rows, phase, s, chunk,
+                              chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride, st,
+                              state_f_ptr + rows * N_STATE, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr,
+                              race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP, LOG_CAP,
+                              SPLIT)  # fmt: skip
+                worked += 1
+        worked_ptr = counter_ptr + (N_COUNTERS + steps + 1 + s) * B
+        if worked > 0:
+            tl.atomic_add(worked_ptr, 1, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # every thread's stores before the release below
+        seen = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu") + 1
+        spins = 0
+        while (seen < P * (s + 1)) & (spins < SPIN_LIMIT):
+            seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        tl.debug_barrier()  # no thread reads the step's decisions before the acquire
+        go = tl.where(seen >= P * (s + 1), tl.atomic_add(worked_ptr, 0, sem="acquire", scope="gpu"), 0)
+        s += 1
 
 
 def resolve_plan(blocks: int, split: int, sms: int) -> tuple[bool, int]:
@@ -1070,7 +1130,8 @@ def group_count(groups: int, split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None, tiles=None):  # fmt: skip
+           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None, tiles=None,
+           grid_steps=False):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1083,7 +1144,11 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
     groups (group maxima per row, about: sampled top-k rows with k up to that many are finished from tiles by one
-    program; 0: never) is both, as is tiles (whether those rows are; default: tiles_pay_off)."""
+    program; 0: never) is both, as is tiles (whether those rows are; default: tiles_pay_off). grid_steps: launch 3
+    as one grid of at most one program per SM that runs every step with a grid barrier between them (_grid_steps;
+    one program in the CPU interpreter), instead of resolve_plan's choice: not the default until timed on the GPU
+    (experiments/ab_sampling.py), where it would replace B >= 17's 33 one-step launches (69 us at B = 256 when no
+    row needs them, profile_sampling at 0e75ebe)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -1137,7 +1202,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     race_f = torch.empty(B, split, dtype=torch.float32, device=device)
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
     steps = rounds + 1  # the rounds, then the race
-    counters = torch.empty(N_COUNTERS.value + steps, B, dtype=torch.int32, device=device)  # zeroed by launch 1
+    counters = torch.empty(N_COUNTERS.value + 2 * steps + 1, B, dtype=torch.int32, device=device)  # zeroed by launch 1
     blocks = cdiv(B, rows)
     grid = (blocks, split)
     on = pdl(logits)
@@ -1159,6 +1224,15 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
     # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
     # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
+    if grid_steps:  # every (row block, chunk) of launch 2's split an item; resident: one program per SM at most
+        programs = min(_sm_count(device), blocks * split) if logits.is_cuda else 1
+        _resolve_kernel[(programs, 1)](
+            logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
+            buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split, chunk_blocks, 0, steps, R=rows,
+            BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap, SPLIT=SPLIT, PERSISTENT=False, GRID=True,
+            **opts,
+        )  # fmt: skip
+        return out
     if persistent is None:
         persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
     else:  # the interpreter runs a program to its end before the next: a wait for a sibling would never end
@@ -1171,7 +1245,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
             logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
             buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split_r, chunk_r, first, per_launch,
             R=rows, BLOCK=block, BLOCK_R=block_r, NB=bins, CAP=cap, LOG_CAP=log_cap,
-            SPLIT=next_power_of_2(split_r), PERSISTENT=persistent, **opts,
+            SPLIT=next_power_of_2(split_r), PERSISTENT=persistent, GRID=False, **opts,
         )  # fmt: skip
     return out
 

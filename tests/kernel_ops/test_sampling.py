@@ -500,11 +500,32 @@ def test_waiting_launch_matches_a_launch_per_step(bins):
     modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.3), (5, 1.0, 0.0)]
     knobs = {"cap": 4, "block": 32, "split": 1, "bins": bins}
     runs = [run_with_state(logits, 1e37, modes, **knobs, persistent=p) for p in (False, True)]
-    (out_a, state_a), (out_b, state_b) = (r[:2] for r in runs)
+    runs.append(run_with_state(logits, 1e37, modes, **knobs, grid_steps=True))
+    (out_a, state_a), (out_b, state_b), (out_c, state_c) = (r[:2] for r in runs)
     assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b)
+    assert torch.equal(out_a, out_c) and torch.equal(state_a, state_c)
     paths = set(state_a[:, fused.S_PATH.value].tolist())
     assert fused.PATH_RADIX.value in paths  # the loop ran rounds, not only the first step
     assert check_radix_rows(*runs[1], bins=bins, exact=False) > 0
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_grid_steps_match_a_launch_per_step(split):
+    # launch 3 as one grid (one program here: it runs every (row, chunk) item of a step, then the barrier) against
+    # one launch per step, over rows that take the regather, both phases of the rounds and the race, and rows that
+    # launch 2 finished (no row open: the grid must leave at once and change nothing)
+    V, B = 96, 4
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(B, V, generator=g) * torch.logspace(-30, 1, V)[torch.randperm(V, generator=g)]
+    logits[1, 2:] = logits[1, 2:].round()
+    modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.3), (5, 1.0, 0.0)]
+    for cap in (4, 256):  # mostly the rounds / every row finished by launch 2
+        knobs = {"cap": cap, "block": 32, "split": split, "bins": 4}
+        (out_a, state_a), (out_b, state_b) = (
+            run_with_state(logits, 1e37, modes, **knobs, grid_steps=g)[:2] for g in (False, True)
+        )
+        assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b), cap
+        assert (out_a >= 0).all()
 
 
 @pytest.mark.parametrize(
