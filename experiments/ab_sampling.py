@@ -3,9 +3,11 @@
 The sampler's launch-2 time moved by 2.6x between two commits whose algorithm is the same (profile_sampling at
 9415e55 and 0e75ebe, B = 1: 17 against 44 us), in device calls minutes apart: only versions timed beside each other
 on the same card decide. Each `--variant NAME:FILE` loads FILE (e.g. `git show 9415e55:kernels/sampling/triton.py
-> .ab/sampling_9415e55.py`) with its custom ops renamed (`qmoe::` -> `qmoe_ab_NAME::`, so both register); the
-variant `current` (the checkout's) always runs. Rounds alternate the variants (A B A B ...), each a CUDA-graph
-timing (benchlib.time_calls, inputs rotated past L2), so drift between rounds shows as spread, not as a difference.
+> .ab/sampling_9415e55.py`) with its custom ops renamed (`qmoe::` -> `qmoe_ab_NAME::`, so both register); FILE
+`current` is the checkout's module, and `:KNOB=INT,...` passes launch() knobs (`grid:current:grid_steps=1`). The
+variant `current` (the checkout's, default knobs) always runs. Rounds alternate the variants (A B A B ...), each a
+CUDA-graph timing (benchlib.time_calls, inputs rotated past L2), so drift between rounds shows as spread, not as a
+difference.
 Each row also says how its rows finished (S_PATH) and, where the version has it, how many tokens its lists held.
 On the device the variant files travel with `carry` (.ab/ is ignored by git); stage `ab_sampling` of
 h200_session.sh passes $AB_SAMPLING.
@@ -46,16 +48,20 @@ def load_variant(name: str, path: str):
 
 
 def parse_variant(text: str):
-    name, _, path = text.partition(":")
+    """NAME:FILE[:KNOB=INT,...] -> (name, (module, knobs passed to its launch))."""
+    name, _, rest = text.partition(":")
+    path, _, knob_text = rest.partition(":")
     if not re.fullmatch(r"\w+", name) or not path:
-        raise SystemExit(f"--variant takes NAME:FILE (NAME: letters, digits, _), got {text!r}")
-    return name, load_variant(name, path)
+        raise SystemExit(f"--variant takes NAME:FILE[:KNOB=INT,...] (NAME: letters, digits, _), got {text!r}")
+    knobs = {k: int(v) for k, v in (kv.split("=", 1) for kv in knob_text.split(",") if kv)}
+    module = current if path == "current" else load_variant(name, path)
+    return name, (module, knobs)
 
 
-def finished_by(module, logits, params) -> dict:
+def finished_by(module, logits, params, knobs) -> dict:
     """How the rows of one call finished: {path: rows}, and the largest list (S_LISTED) where the version has it."""
     state = torch.empty(logits.shape[0], module.N_STATE.value, dtype=torch.int64, device=logits.device)
-    module.launch(logits, *params, state=state)
+    module.launch(logits, *params, state=state, **knobs)
     paths = {int(p): int((state[:, module.S_PATH.value] == p).sum()) for p in state[:, module.S_PATH.value].unique()}
     listed = int(state[:, module.S_LISTED.value].max()) if hasattr(module, "S_LISTED") else None
     return {"paths": paths, "max_listed": listed}
@@ -71,7 +77,7 @@ def main():
     parser.add_argument("--out", default="results/ab_sampling.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    variants = {"current": current} | dict(parse_variant(v) for v in args.variant)
+    variants = {"current": (current, {})} | dict(parse_variant(v) for v in args.variant)
     t0 = time.time()
     rows = []
     for B in args.batch:
@@ -81,18 +87,18 @@ def main():
             params = (*sampling_tensors(TARGET, B, device).values(), torch.arange(B, device=device))
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
-                for name, module in variants.items():
-                    call = lambda i, m=module, xs=inputs, p=params: m.launch(xs[i % len(xs)], *p)  # noqa: E731
+                for name, (module, knobs) in variants.items():
+                    call = lambda i, m=module, k=knobs, xs=inputs, p=params: m.launch(xs[i % len(xs)], *p, **k)  # noqa: E731
                     us, method = time_calls(call, copies, device)
                     times[name].append(us)
-            for name, module in variants.items():
+            for name, (module, knobs) in variants.items():
                 row = {"B": B, "shape": shape, "variant": name, "us": statistics.median(times[name]),
                        "rounds_us": times[name], "timing": method,
-                       **finished_by(module, inputs[0], params)}  # fmt: skip
+                       "knobs": knobs, **finished_by(module, inputs[0], params, knobs)}  # fmt: skip
                 rows.append(row)
                 print(f"B={B:<4} {shape:<6} {name:<12} {row['us']:8.1f} us  rounds {[round(t, 1) for t in times[name]]}"
                       f"  paths {row['paths']}  max listed {row['max_listed']}")  # fmt: skip
-    write_json(args.out, "ab_sampling", device, variants={n: getattr(m, "__file__", "") for n, m in variants.items()},
+    write_json(args.out, "ab_sampling", device, variants={n: m.__file__ for n, (m, _) in variants.items()},
                target=TARGET_MODE, rows=rows, seconds=time.time() - t0)  # fmt: skip
 
 

@@ -660,6 +660,17 @@ def test_gpu_full_vocab_radix_rows(shape):
     check_radix_rows(*got, bins=16, slack=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["flat", "zipf"])
+def test_gpu_full_vocab_radix_rows_grid_steps(shape):
+    # launch 3 as one grid (launch(grid_steps=True): one program per SM, a grid barrier between steps) on every
+    # mode at V = 248320: 2 rows of the shape (20 rows in all), then 14 (140 rows: more than the SMs)
+    for n in (2, 14):
+        logits, temperature = family_logits(shape, n, V_FULL, seed=1, device="cuda")
+        got = run_with_state(logits, temperature, radix_modes(V_FULL), grid_steps=True, bins=4)
+        assert check_radix_rows(*got, bins=4, slack=1e-4) > 0
+
+
 def gpu_draws(logits, combos, draws, **knobs):
     """combos x draws rows of one logits row (stride-0 view), step = draw index -> tokens [len(combos), draws]."""
     n = len(combos) * draws
