@@ -74,7 +74,7 @@ except Exception as e:
     loop) STAGE_TIMEOUT=200 run_stage loop python3 experiments/tune_decode_loop.py --skip-descent ;;
     profile_loop) STAGE_TIMEOUT=200 run_stage profile_loop python3 experiments/profile_decode_loop.py ;;
     ab) STAGE_TIMEOUT=200 run_stage ab python3 experiments/ab_decode_step.py $AB_VARIANTS ;;
-    ab_sampling) STAGE_TIMEOUT=300 run_stage ab_sampling python3 experiments/ab_sampling.py $AB_SAMPLING ;;
+    ab_sampling) STAGE_TIMEOUT=450 run_stage ab_sampling python3 experiments/ab_sampling.py $AB_SAMPLING ;;
     ab_fp8) STAGE_TIMEOUT=200 run_stage ab_fp8 python3 experiments/ab_decode_step.py --weights fp8 --out results/ab_decode_step_fp8.json $AB_VARIANTS ;;
     tune_loop) run_stage tune_loop python3 experiments/tune_decode_loop.py --write-tables ;;
     tune_loop_fp8) run_stage tune_loop_fp8 python3 experiments/tune_decode_loop.py --weights fp8 --write-tables --out results/tune_decode_loop_fp8.json ;;
