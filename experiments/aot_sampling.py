@@ -57,15 +57,15 @@ def launch_params(B: int) -> dict:
     persistent, split_r = fused.resolve_plan(B, split, SMS)
     return {"B": B, "block": block, "block_c": min(block, 1024), "block_r": min(block, max(16, 4096 // bins)),
             "split": split, "bins": bins, "cap": 1024, "nt": 8,
-            "groups": fused.group_count(fused.GROUPS, split, block), "tiles": fused.tiles_pay_off(B, split, SMS),
+            "groups": fused.group_count(split, block), "tiles": fused.tiles_pay_off(B, split, SMS),
             "resolve_persistent": persistent, "resolve_split": split_r}  # fmt: skip
 
 
 def kernels_at(p: dict) -> dict:
     """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
-    tile = min(fused.TILE_TOKENS, p["block_c"]) if p["groups"] else 0
+    tile = min(fused.TILE_TOKENS, p["block_c"])
     g = {"G": p["groups"], "TILE": tile}
-    tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)) if tile else 1, "NS": fused.TILES_PER_LOAD}
+    tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)), "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],

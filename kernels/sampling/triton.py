@@ -64,7 +64,7 @@ KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
 # the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
 SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SPLIT_MAX = 128  # programs per row, at most
-GROUPS = 128  # group maxima per row from the stats launch (launch(groups=)): top-k's list threshold for k <= this
+GROUPS = 128  # group maxima per row from the stats launch: top-k's list threshold for k <= this
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
 STEP_PROGRAMS_PER_SM = 4  # launch 3's programs per SM when it is a launch per step (2 resident at its registers)
 TILE_TOKENS = 128  # a tile (a warp's 128-bit loads): launch 2 reads only the tiles that reach a row's group bound
@@ -155,7 +155,7 @@ def _stats_kernel(
     TILE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
-    the maxima of G groups of the chunk's slots -> part_g [B, split, G] (G = 0: none) and the maxima of its tiles
+    the maxima of G groups of the chunk's slots -> part_g [B, split, G] and the maxima of its tiles
     of TILE tokens -> part_t [B, n_tiles] (TILE = 0: none); zeroes the rows' counters (counter_ptr [n_counters,
     B]). Every other statistic is kept per slot of the block and reduced once after the loop; a tile is a warp's
     span of the block (32 threads x 4 tokens on the GPU), so its max needs no cross-warp reduction."""
@@ -227,10 +227,10 @@ def _stats_kernel(
     tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
     tl.store(part_i_ptr + part + 1, tl.sum(n_finite, 1), mask=row_ok)
     tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
-    if G > 0:  # group g: slots g * BLOCK / G .. (g + 1) * BLOCK / G - 1 (each a token of every block of the chunk)
-        g = tl.arange(0, G)
-        group_max = tl.max(tl.reshape(best, (R, G, BLOCK // G)), 2)  # [R, G]
-        tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
+    # group g: slots g * BLOCK / G .. (g + 1) * BLOCK / G - 1 (each a token of every block of the chunk)
+    g = tl.arange(0, G)
+    group_max = tl.max(tl.reshape(best, (R, G, BLOCK // G)), 2)  # [R, G]
+    tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
     first_chunk = row_ok & (rows * 0 + chunk == 0)
     for i in range(n_counters):  # nothing persists between calls
         tl.store(counter_ptr + i * B + rows, tl.zeros((R,), tl.int32), mask=first_chunk)
@@ -664,7 +664,7 @@ def _gather_count_kernel(
     LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
     NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. A sampled row with top-k 0 < k <= split * G (G > 0, tiles_on: tiles_pay_off) is finished by its chunk-0
+    """2. A sampled row with top-k 0 < k <= split * G (tiles_on: tiles_pay_off) is finished by its chunk-0
     program alone: its list
     threshold is the k-th largest group maximum (_group_bound: at or below the k-th logit; when k is not below the
     row's finite logits, top-k is off and it is the smallest finite logit, at most k tokens), and only the tiles
@@ -681,21 +681,19 @@ def _gather_count_kernel(
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
     in_batch = rows < B
-    if G > 0:  # from the parameters alone, so that the row's other programs can leave at once
-        temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
-        k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
-        from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G) & (rows * 0 + tiles_on != 0)
-    else:
-        from_tiles = in_batch & False
+    # from the parameters alone, so that the row's other programs can leave at once
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
+    k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
+    from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G) & (rows * 0 + tiles_on != 0)
     here = from_tiles & (rows * 0 + chunk == 0)
     shared = in_batch & ~from_tiles
     mine = here | shared
     if tl.max(mine.to(tl.int32)) > 0:
-        if G > 0:  # with the setup's loads: one round trip
-            maxima = _load_group_maxima(part_g_ptr, rows, here, split, G, SPLIT)
-            t = tl.arange(0, N_TILES)
-            t_ok = here[:, None] & (t < n_tiles)[None, :]
-            t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
+        # with the setup's loads: one round trip
+        maxima = _load_group_maxima(part_g_ptr, rows, here, split, G, SPLIT)
+        t = tl.arange(0, N_TILES)
+        t_ok = here[:, None] & (t < n_tiles)[None, :]
+        t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
         seed = tl.load(seed_ptr + rows * seed_stride, mask=mine, other=0).to(tl.int64)
         step = tl.load(step_ptr + rows * step_stride, mask=mine, other=0).to(tl.int64)
         (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
@@ -712,14 +710,13 @@ def _gather_count_kernel(
         regather = listed
         radix = listed
         s = tl.full((R,), float("-inf"), tl.float32)
-        if G > 0:
-            if tl.max(here.to(tl.int32)) > 0:
-                s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
-                spec = tl.where(here, tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min), spec)
-                n_list = _gather_tiles(base, t_max, spec, rows, here & filtered, tile_list_ptr, n_tiles, buf_val_ptr,
-                                       buf_idx_ptr, V, CAP, TILE, N_TILES, NS)  # fmt: skip
-                listed = here & filtered & (n_list <= CAP)
-                radix = here & filtered & ~listed
+        if tl.max(here.to(tl.int32)) > 0:
+            s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
+            spec = tl.where(here, tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min), spec)
+            n_list = _gather_tiles(base, t_max, spec, rows, here & filtered, tile_list_ptr, n_tiles, buf_val_ptr,
+                                   buf_idx_ptr, V, CAP, TILE, N_TILES, NS)  # fmt: skip
+            listed = here & filtered & (n_list <= CAP)
+            radix = here & filtered & ~listed
         lo = _ordered_key(spec + 0.0).to(tl.int64)
         hi = _ordered_key(m).to(tl.int64)
         if tl.max(shared.to(tl.int32)) > 0:
@@ -1121,17 +1118,14 @@ def tiles_pay_off(B: int, split: int, sms: int) -> bool:
     return sms == 0 or B * split > sms
 
 
-def group_count(groups: int, split: int, block: int) -> int:
-    """Group maxima per program of the stats launch: a power of 2, groups // split of them (at least 1), at most
-    a block's slots (a group is a set of slots); 0 when groups is 0 (no top-k bound)."""
-    if groups == 0:
-        return 0
-    return min(1 << (max(1, groups // split).bit_length() - 1), block)
+def group_count(split: int, block: int) -> int:
+    """Group maxima per program of the stats launch: a power of 2, GROUPS // split of them (at least 1), at most
+    a block's slots (a group is a set of slots)."""
+    return min(1 << (max(1, GROUPS // split).bit_length() - 1), block)
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, groups=GROUPS, rounds=None, state=None, persistent=None, tiles=None,
-           grid_steps=False):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=False):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1143,8 +1137,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
-    groups (group maxima per row, about: sampled top-k rows with k up to that many are finished from tiles by one
-    program; 0: never) is both, as is tiles (whether those rows are; default: tiles_pay_off). grid_steps: launch 3
+    tiles (whether sampled top-k rows with k up to their ~GROUPS group maxima are finished from tiles by one
+    program; default: tiles_pay_off; False: every row takes the gather + count pass) is both. grid_steps: launch 3
     as one grid of at most one program per SM that runs every step with a grid barrier between them (_grid_steps;
     one program in the CPU interpreter), instead of resolve_plan's choice: not the default until timed on the GPU
     (experiments/ab_sampling.py), where it would replace B >= 17's 33 one-step launches (69 us at B = 256 when no
@@ -1173,10 +1167,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     assert 1 <= split <= SPLIT_MAX
     if tiles is None:
         tiles = tiles_pay_off(B, split, _sm_count(logits.device) if logits.is_cuda else 0)
-    n_groups = group_count(groups, split, block)
+    n_groups = group_count(split, block)
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
-    tile_len = min(TILE_TOKENS, block_c) if n_groups else 0  # only rows from tiles read them; a block holds whole ones
-    n_tiles = cdiv(V, tile_len) if tile_len else 0
+    tile_len = min(TILE_TOKENS, block_c)  # a block holds whole tiles
+    n_tiles = cdiv(V, tile_len)
     if rows is None:  # one row per program on the GPU; batches of rows in the CPU interpreter
         # the largest [R, ., .] tile of the kernels, per row
         tile = max(block * nt, cap * 4, block_r * bins, nt * 32, (next_power_of_2(split) * n_groups) ** 2,
@@ -1187,9 +1181,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     device = logits.device
     part_f = torch.empty(B, split, N_STATS_F.value, dtype=torch.float32, device=device)
     part_i = torch.empty(B, split, N_STATS_I.value, dtype=torch.int32, device=device)
-    part_g = torch.empty(B, split, max(n_groups, 1), dtype=torch.float32, device=device)
-    part_t = torch.empty(B, max(n_tiles, 1), dtype=torch.float32, device=device)
-    tile_list = torch.empty(B, max(n_tiles, 1), dtype=torch.int32, device=device)
+    part_g = torch.empty(B, split, n_groups, dtype=torch.float32, device=device)
+    part_t = torch.empty(B, n_tiles, dtype=torch.float32, device=device)
+    tile_list = torch.empty(B, n_tiles, dtype=torch.int32, device=device)
     search_f = torch.empty(B, split, nt + 1, dtype=torch.float32, device=device)
     search_i = torch.empty(B, split, nt + 1, dtype=torch.int32, device=device)
     buf_val = torch.empty(B, cap, dtype=torch.float32, device=device)
@@ -1218,7 +1212,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, int(tiles),
         search_f, search_i, buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c),
         R=rows, BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
-        TILE=tile_len, N_TILES=next_power_of_2(max(n_tiles, 1)), NS=TILES_PER_LOAD, **opts,
+        TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings

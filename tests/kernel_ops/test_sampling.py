@@ -456,7 +456,7 @@ def test_radix_rounds_give_the_reference_kept_set(shape, dtype):
 def test_radix_rounds_never_exceed_the_bound(bins):
     # worst shapes for the rounds: the keys span the whole int32 range (x_min = -3e38, max = +3e38) and the cut
     # sits among values near 0, so top-k runs every round of its phase, then top-p again over [cut, max]. No
-    # group bound (groups=0): top-k's rounds start from launch 2's thresholds, here the whole key range
+    # tiles (tiles=False): top-k's rounds start from launch 2's thresholds, here the whole key range
     V, B = 96, 4
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(B, V, generator=g) * torch.logspace(-30, 1, V)[torch.randperm(V, generator=g)]
@@ -464,7 +464,7 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     logits[1, 2:] = logits[1, 2:].round()  # exact ties at the cut
     modes = [(40, 1.0, 0.0), (40, 0.9, 0.0), (0, 0.8, 0.0)]
     temperature = 1e37  # keeps the mass spread over the row: top-p's cut lands inside it
-    got = run_with_state(logits, temperature, modes, cap=4, block=32, split=3, bins=bins, groups=0)
+    got = run_with_state(logits, temperature, modes, cap=4, block=32, split=3, bins=bins, tiles=False)
     out, state, rows = got[:3]
     check_radix_rows(*got, bins=bins, exact=False)
     # the exact number of rounds: a bracket of w keys shrinks to ceil(w / bins) per round
@@ -483,7 +483,7 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     # one round fewer than the bound: rows are left unfinished, and the checks above see it (invalid tokens)
     seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
     short = fused.launch(
-        rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, groups=0, rounds=2 * bound - 1
+        rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, tiles=False, rounds=2 * bound - 1
     )
     assert (short == naive.INVALID_TOKEN).any()
 
@@ -848,11 +848,11 @@ def paths_of(state):
     return {int(p): int((state[:, fused.S_PATH.value] == p).sum()) for p in state[:, fused.S_PATH.value].unique()}
 
 
-@pytest.mark.parametrize("groups, tiles", [(fused.GROUPS, True), (fused.GROUPS, False), (0, True)])
-def test_benchmark_shapes_never_need_the_radix_rounds(groups, tiles):
-    # top-k 50 + top-p 0.9 (the benchmark's target mode) on every shape. With the group bound (the default) the
-    # list at the k-th largest group maximum holds the cut on every row: no regather, no rounds. Without it (top-k
-    # above the groups), launch 2's list or its regather at a counted threshold holds it (the normal-fit
+@pytest.mark.parametrize("tiles", [True, False])
+def test_benchmark_shapes_never_need_the_radix_rounds(tiles):
+    # top-k 50 + top-p 0.9 (the benchmark's target mode) on every shape. From tiles (the CPU's default) the list
+    # at the k-th largest group maximum holds the cut on every row: no regather, no rounds. Without (tiles=False,
+    # B = 1 on the H200), launch 2's list or its regather at a counted threshold holds it (the normal-fit
     # thresholds place one in the k-th value's tail for peaked, flat and ties rows; the geometric ones for zipf):
     # both paths run, no row takes the rounds
     V = 4096
@@ -862,12 +862,12 @@ def test_benchmark_shapes_never_need_the_radix_rounds(groups, tiles):
     state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
     out = fused.launch(logits, temperature, torch.full((B,), 50), torch.full((B,), 0.9), torch.zeros(B),
                        torch.zeros(B, dtype=torch.long), torch.arange(B), cap=256, block=512, state=state,
-                       groups=groups, tiles=tiles)  # fmt: skip
+                       tiles=tiles)  # fmt: skip
     probs = torch.softmax(logits.double() / temperature[:, None].double(), -1)
     keep = naive.filter_probs(probs, torch.full((B,), 50), torch.full((B,), 0.9, dtype=torch.float64), torch.zeros(B))
     assert keep[torch.arange(B), out].all()
     paths = paths_of(state)
-    if groups and tiles:
+    if tiles:
         assert paths == {fused.PATH_LIST.value: B}, paths
     else:
         assert set(paths) <= {fused.PATH_LIST.value, fused.PATH_REGATHER.value}, paths
@@ -889,7 +889,7 @@ def test_group_bound_is_at_or_below_the_kth_logit(V, block, split, exact):
     B = 4
     logits = torch.randn(B, V, generator=g)
     logits[1] = logits[1].round()  # ties
-    n_groups = split * fused.group_count(fused.GROUPS, split, block)
+    n_groups = split * fused.group_count(split, block)
     ks = [1, 7, 50, min(n_groups, V - 1)]  # (k = V turns top-k off)
     rows = logits.repeat_interleave(len(ks), 0)
     top_k = torch.tensor(ks * B)
@@ -980,8 +980,8 @@ def test_finish_sorts_the_filled_prefix():
     args = (logits, torch.full((B,), 2.0), top_k, top_p.float(), min_p.float(), torch.full((B,), 3),
             torch.arange(draws).repeat(len(cases)))  # fmt: skip
     state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
-    # groups=0: no group bound, whose threshold for top-k would list fewer than the upper tier
-    out = fused.launch(*args, cap=cap, block=256, split=2, rows=draws, state=state, groups=0)
+    # tiles=False: no group bound, whose threshold for top-k would list fewer than the upper tier
+    out = fused.launch(*args, cap=cap, block=256, split=2, rows=draws, state=state, tiles=False)
     assert paths_of(state) == {fused.PATH_LIST.value: B}
     probs = torch.softmax(logits.double() / 2.0, -1)
     keep = naive.filter_probs(probs, top_k, top_p.double(), min_p.double())
@@ -989,7 +989,7 @@ def test_finish_sorts_the_filled_prefix():
     argmax = (top_k == 1) | (top_p < 1e-3)
     assert torch.equal(out[argmax], logits[argmax].argmax(-1))
     mixed = torch.arange(B).view(len(cases), draws).T.reshape(-1)  # [draw, case]: 200-token lists in every program
-    again = fused.launch(*(a[mixed] for a in args), cap=cap, block=256, split=2, rows=draws, groups=0)
+    again = fused.launch(*(a[mixed] for a in args), cap=cap, block=256, split=2, rows=draws, tiles=False)
     assert torch.equal(again, out[mixed])
 
 
