@@ -27,7 +27,7 @@ Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one
    from the bracket between the two thresholds around the cut. Rows without a filter race over the row here.
 3. `_resolve_kernel`, steps of one pass each for the rows launch 2 left open (others exit at once): the
    regather (x >= t_j into the list; the last program finishes), a radix round, or the race. One launch that
-   runs every step, its programs waiting for each round's decision (`_await_decisions`), when all of its
+   runs every step, its programs waiting for each round's decision (`_await_counts`), when all of its
    programs are resident at once; else one launch per step.
 4. The radix rounds, at most 2 * rounds_per_phase(bins), for rows whose kept set may exceed CAP: each narrows
    the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut first, then
@@ -280,12 +280,13 @@ SEARCH_RUNTIME_ARGS = ["B", "temp_stride", "top_k_stride", "top_p_stride", "min_
 
 @triton.jit
 def _row_setup(
-    rows, row_ok, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr,
-    min_p_stride, part_f_ptr, part_i_ptr, split, SPLIT: tl.constexpr,
+    rows, row_ok, V, temperature, top_k, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr,
+    split, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """What launch 2 knows of its rows `row_ok`: parameters, row stats (launch 1), which filters are on."""
-    temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
-    top_k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0).to(tl.int64)
+    """What launch 2 knows of its rows `row_ok` (temperature and top_k: loaded already): parameters, row stats
+    (launch 1), which filters are on."""
+    temperature = tl.where(row_ok, temperature, 0.0).to(tl.float32)
+    top_k = tl.where(row_ok, top_k, 0).to(tl.int64)
     top_p = tl.load(top_p_ptr + rows * top_p_stride, mask=row_ok, other=1.0).to(tl.float32)
     min_p = tl.minimum(tl.load(min_p_ptr + rows * min_p_stride, mask=row_ok, other=0.0).to(tl.float32), 1.0)
     sampled = row_ok & (temperature > 0)
@@ -347,17 +348,16 @@ def _load_group_maxima(part_g_ptr, rows, row_ok, split, G: tl.constexpr, SPLIT: 
 
 
 @triton.jit
-def _group_bound(maxima, split, top_k, k_on, G: tl.constexpr):
+def _group_bound(maxima, top_k):
     """Top-k's list threshold from the stats launch's group maxima ([R, SPLIT * G], _load_group_maxima): the k-th
-    largest of the row's split * G group maxima (ties counted) -> (s [R], rows it holds for: k_on and k <= split *
-    G). Each of the k groups whose max is >= s holds a token >= s, so at least k tokens are >= s: s is at or below
+    largest of the row's split * G group maxima (ties counted) -> s [R], for rows with top-k on and k <= split * G.
+    Each of the k groups whose max is >= s holds a token >= s, so at least k tokens are >= s: s is at or below
     the k-th largest logit, and the gather at s holds top-k's cut. Only tokens of groups whose max is >= s pass it
     (each group holds V / (split * G) of the row), so the list stays short (a few hundred tokens on every benchmark
     shape at k = 50, without counting a threshold per token)."""
     # ge[i]: how many maxima are >= maxima[i]; the largest maximum with ge >= k is the k-th largest
     ge = tl.sum((maxima[:, None, :] >= maxima[:, :, None]).to(tl.int32), 2)  # [R, SPLIT * G]
-    s = tl.max(tl.where(ge.to(tl.int64) >= top_k[:, None], maxima, float("-inf")), 1)
-    return s, k_on & (top_k <= split * G)
+    return tl.max(tl.where(ge.to(tl.int64) >= top_k[:, None], maxima, float("-inf")), 1)
 
 
 @triton.jit
@@ -665,9 +665,9 @@ def _gather_count_kernel(
     NS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """2. A sampled row with top-k 0 < k <= split * G (tiles_on: tiles_pay_off) is finished by its chunk-0
-    program alone: its list
-    threshold is the k-th largest group maximum (_group_bound: at or below the k-th logit; when k is not below the
-    row's finite logits, top-k is off and it is the smallest finite logit, at most k tokens), and only the tiles
+    program alone: its list threshold is the k-th largest group maximum (_group_bound: at or below the k-th
+    logit; when k is not below the row's finite logits, top-k is off and it is the smallest finite logit, at most
+    k tokens), and only the tiles
     whose max reaches it are read (_gather_tiles); its other programs exit after two parameter loads. Every other
     row: one pass over this chunk gathers x >= spec (a speculative threshold) into the row's list and counts
     (top-p without top-k: also weighs) x >= t_j at NT thresholds; the row's last program to arrive decides
@@ -681,7 +681,7 @@ def _gather_count_kernel(
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
     in_batch = rows < B
-    # from the parameters alone, so that the row's other programs can leave at once
+    # from the parameters alone, so that the row's other programs can leave at once (the setup reuses them)
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
     k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
     from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G) & (rows * 0 + tiles_on != 0)
@@ -697,9 +697,8 @@ def _gather_count_kernel(
         seed = tl.load(seed_ptr + rows * seed_stride, mask=mine, other=0).to(tl.int64)
         step = tl.load(step_ptr + rows * step_stride, mask=mine, other=0).to(tl.int64)
         (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
-         unfiltered) = _row_setup(rows, mine, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr,
-                                  top_p_stride, min_p_ptr, min_p_stride, part_f_ptr, part_i_ptr, split,
-                                  SPLIT)  # fmt: skip
+         unfiltered) = _row_setup(rows, mine, V, temperature, k, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+                                  part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
         spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                       mp_on, filtered, CAP)  # fmt: skip
         # the decision of the rows this program decides for (`last`); rows from tiles: the rounds' bracket
@@ -711,7 +710,7 @@ def _gather_count_kernel(
         radix = listed
         s = tl.full((R,), float("-inf"), tl.float32)
         if tl.max(here.to(tl.int32)) > 0:
-            s_group, _ = _group_bound(maxima, split, top_k, k_on, G)
+            s_group = _group_bound(maxima, top_k)
             spec = tl.where(here, tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min), spec)
             n_list = _gather_tiles(base, t_max, spec, rows, here & filtered, tile_list_ptr, n_tiles, buf_val_ptr,
                                    buf_idx_ptr, V, CAP, TILE, N_TILES, NS)  # fmt: skip
@@ -952,15 +951,16 @@ SPIN_LIMIT = tl.constexpr(1 << 20)  # acquire polls per wait (~1 s): a lost prog
 
 
 @triton.jit
-def _await_decisions(decided_ptr, waiting, target):
-    """Spins until the round decisions of the rows `waiting` reach `target` -> the rows whose decision came (all
-    of them, unless SPIN_LIMIT ran out: those rows stay INVALID_TOKEN)."""
-    seen = tl.atomic_add(decided_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
+def _await_counts(count_ptr, waiting, target):
+    """Spins until the counters at count_ptr (one per row: a row's round decisions, or the grid barrier's
+    arrivals) of the rows `waiting` reach `target` -> the rows whose count came (all of them, unless SPIN_LIMIT
+    ran out: those rows stay INVALID_TOKEN)."""
+    seen = tl.atomic_add(count_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
     spins = 0
     while (tl.min(tl.where(waiting, seen, target)) < target) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(decided_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
+        seen = tl.atomic_add(count_ptr, 0, mask=waiting, sem="acquire", scope="gpu")
         spins += 1
-    tl.debug_barrier()  # no thread reads the decision before the acquire
+    tl.debug_barrier()  # no thread reads what the count releases before the acquire
     return waiting & (seen >= target)
 
 
@@ -1025,7 +1025,7 @@ def _resolve_kernel(
                                        race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP,
                                        LOG_CAP, SPLIT)  # fmt: skip
                 # a row in the rounds since step 0 has had s + 1 decisions once this round's is made
-                rounds = _await_decisions(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
+                rounds = _await_counts(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
                 # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
                 phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
                 s += 1
@@ -1072,13 +1072,10 @@ def _grid_steps(logits_ptr, stride_row, B, V, seed_ptr, seed_stride, step_ptr, s
         if worked > 0:
             tl.atomic_add(worked_ptr, 1, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # every thread's stores before the release below
-        seen = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        spins = 0
-        while (seen < P * (s + 1)) & (spins < SPIN_LIMIT):
-            seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
-            spins += 1
-        tl.debug_barrier()  # no thread reads the step's decisions before the acquire
-        go = tl.where(seen >= P * (s + 1), tl.atomic_add(worked_ptr, 0, sem="acquire", scope="gpu"), 0)
+        tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+        one = tl.arange(0, 1)  # the barrier as a row of _await_counts
+        passed = tl.max(_await_counts(arrive_ptr + one * 0, one == 0, P * (s + 1)).to(tl.int32)) > 0
+        go = tl.where(passed, tl.atomic_add(worked_ptr, 0, sem="acquire", scope="gpu"), 0)
         s += 1
 
 
