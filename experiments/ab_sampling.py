@@ -13,7 +13,7 @@ On the device the variant files travel with `carry` (.ab/ is ignored by git); st
 h200_session.sh passes $AB_SAMPLING.
 
     PYTHONPATH=. python experiments/ab_sampling.py --variant old:.ab/sampling_9415e55.py [--batch 1 256]
-        [--shapes llm ties] [--rounds 3] [--out results/ab_sampling.json]
+        [--shapes llm ties] [--modes topk50_topp0.9 topp0.95] [--rounds 3] [--out results/ab_sampling.json]
 """
 
 import argparse
@@ -25,14 +25,18 @@ import time
 from pathlib import Path
 
 import torch
-from bench_sampling import L2_FLUSH_BYTES, SHAPES, TARGET_MODE, VOCAB, make_logits
+from bench_sampling import L2_FLUSH_BYTES, MODES, SHAPES, TARGET_MODE, VOCAB, make_logits
 from benchlib import time_calls, write_json
 
 from kernels.sampling import triton as current
 from qmoe.runtime.generate import sampling_tensors
 from qmoe.settings import SamplingSettings
 
-TARGET = SamplingSettings(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=0)  # bench_sampling's target mode
+
+def settings(mode: str, shape: str) -> SamplingSettings:
+    """bench_sampling's MODES entry at the shape's temperature."""
+    top_k, top_p, min_p = MODES[mode]
+    return SamplingSettings(temperature=SHAPES[shape], top_k=top_k, top_p=top_p, min_p=min_p, seed=0)
 
 
 def load_variant(name: str, path: str):
@@ -67,11 +71,38 @@ def finished_by(module, logits, params, knobs) -> dict:
     return {"paths": paths, "max_listed": listed}
 
 
+def ab_rows(variants: dict, B: int, mode: str, shape: str, args, device: str) -> list[dict]:
+    """Every variant timed on one (B, mode, shape), rounds alternating the variants."""
+    copies = min(200, math.ceil(L2_FLUSH_BYTES / (B * args.vocab * 4))) if device == "cuda" else 1
+    inputs = [make_logits(B, args.vocab, shape, torch.float32, device, seed=i) for i in range(copies)]
+    params = (*sampling_tensors(settings(mode, shape), B, device).values(), torch.arange(B, device=device))
+    if MODES[mode][0] > args.vocab:  # top-k V at a smaller --vocab
+        params[1].clamp_(max=args.vocab)
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (module, knobs) in variants.items():
+            call = lambda i, m=module, k=knobs, xs=inputs, p=params: m.launch(xs[i % len(xs)], *p, **k)  # noqa: E731
+            us, method = time_calls(call, copies, device)
+            times[name].append(us)
+    rows = []
+    for name, (module, knobs) in variants.items():
+        row = {"B": B, "mode": mode, "shape": shape, "variant": name, "us": statistics.median(times[name]),
+               "rounds_us": times[name], "timing": method, "knobs": knobs,
+               **finished_by(module, inputs[0], params, knobs)}  # fmt: skip
+        rows.append(row)
+        print(
+            f"B={B:<4} {mode:<15} {shape:<6} {name:<12} {row['us']:8.1f} us  rounds "
+            f"{[round(t, 1) for t in times[name]]}  paths {row['paths']}  max listed {row['max_listed']}"
+        )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], help="NAME:FILE (repeatable)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--shapes", nargs="+", default=["llm", "ties"], choices=[s for s in SHAPES if "_T" not in s])
+    parser.add_argument("--modes", nargs="+", default=[TARGET_MODE], choices=list(MODES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--out", default="results/ab_sampling.json")
@@ -81,25 +112,11 @@ def main():
     t0 = time.time()
     rows = []
     for B in args.batch:
-        for shape in args.shapes:
-            copies = min(200, math.ceil(L2_FLUSH_BYTES / (B * args.vocab * 4))) if device == "cuda" else 1
-            inputs = [make_logits(B, args.vocab, shape, torch.float32, device, seed=i) for i in range(copies)]
-            params = (*sampling_tensors(TARGET, B, device).values(), torch.arange(B, device=device))
-            times = {name: [] for name in variants}
-            for _ in range(args.rounds):
-                for name, (module, knobs) in variants.items():
-                    call = lambda i, m=module, k=knobs, xs=inputs, p=params: m.launch(xs[i % len(xs)], *p, **k)  # noqa: E731
-                    us, method = time_calls(call, copies, device)
-                    times[name].append(us)
-            for name, (module, knobs) in variants.items():
-                row = {"B": B, "shape": shape, "variant": name, "us": statistics.median(times[name]),
-                       "rounds_us": times[name], "timing": method,
-                       "knobs": knobs, **finished_by(module, inputs[0], params, knobs)}  # fmt: skip
-                rows.append(row)
-                print(f"B={B:<4} {shape:<6} {name:<12} {row['us']:8.1f} us  rounds {[round(t, 1) for t in times[name]]}"
-                      f"  paths {row['paths']}  max listed {row['max_listed']}")  # fmt: skip
+        for mode in args.modes:
+            for shape in args.shapes:
+                rows += ab_rows(variants, B, mode, shape, args, device)
     write_json(args.out, "ab_sampling", device, variants={n: m.__file__ for n, (m, _) in variants.items()},
-               target=TARGET_MODE, rows=rows, seconds=time.time() - t0)  # fmt: skip
+               modes={m: MODES[m] for m in args.modes}, rows=rows, seconds=time.time() - t0)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -62,12 +62,15 @@ def launch_params(B: int) -> dict:
 
 
 def kernels_at(p: dict) -> dict:
-    """name -> (kernel, constexprs, programs in its grid) of the three launches at these parameters."""
+    """name -> (kernel, constexprs, programs in its grid) of the launches at these parameters (launch 3: both
+    forms)."""
     tile = min(fused.TILE_TOKENS, p["block_c"])
     g = {"G": p["groups"], "TILE": tile}
     tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)), "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
-              "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g, **tiles}  # fmt: skip
+              "SPLIT": next_power_of_2(p["split"]), "PDL": True, "G": p["groups"]}  # fmt: skip
+    from_tiles = {"R": 1, "CAP": p["cap"], "LOG_CAP": 10, "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g,
+                  **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
                "LOG_CAP": 10, "SPLIT": next_power_of_2(p["resolve_split"]), "PERSISTENT": p["resolve_persistent"],
                "GRID": False, "PDL": True}  # fmt: skip
@@ -79,6 +82,7 @@ def kernels_at(p: dict) -> dict:
             {"R": 1, "BLOCK": p["block"], "PDL": True, **g, "TILE": tile if p["tiles"] else 0},
             programs,
         ),
+        "tiles": (fused._tiles_kernel, from_tiles, p["B"]),  # launched only where p["tiles"]
         "gather_count": (fused._gather_count_kernel, gather, programs),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),

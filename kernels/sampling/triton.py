@@ -5,18 +5,20 @@ a single program.
 argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
-(row, chunk) in every launch, so each pass over a row is spread over many programs; a launch that a row does
+(row, chunk) in every launch but 2a, so each pass over a row is spread over many programs; a launch that a row does
 not need costs its programs a few loads. Three launches when launch 3's grid fits on the GPU at once (batches
-up to ~16 on the H200), else 2 + (2 * rounds_per_phase(bins) + 1) (35 with the 4 bins of B >= 64), all with
-Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one's tail):
+up to ~16 on the H200), else four (launch 3 as one grid of one program per SM), all with Programmatic Dependent
+Launch on sm_90 (an idle launch overlaps the previous one's tail):
 
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
-   the sum of p_i = 2^((x_i - max) * log2(e) / temperature), the smallest finite logit, the number, sum and sum
-   of squares of the finite logits, the maxima of groups of its slots and of its tiles of 128 tokens -> a small
-   workspace. It also zeroes the rows' counters of the later launches.
-2. `_gather_count_kernel`: a sampled top-k row with k <= its group maxima (where launch 2's grid takes more than
-   one wave: `tiles_pay_off`) is finished by one program: s is the k-th largest group maximum, never above the
-   cut (`_group_bound`), and only the tiles whose max reaches s are read (`_gather_tiles`). Other rows, one pass:
+   the smallest finite logit and the number of finite logits, the sum of p_i = 2^((x_i - max) * log2(e) /
+   temperature) and the sum and sum of squares of the finite logits (not for rows from tiles, which read none),
+   the maxima of groups of its slots and of its tiles of 128 tokens -> a small workspace. It also zeroes the
+   rows' counters of the later launches.
+2a. `_tiles_kernel` (where launch 2's grid takes more than one wave: `tiles_pay_off`): a sampled top-k row with k
+   <= its group maxima is finished by one program: s is the k-th largest group maximum, never above the cut
+   (`_group_bound`), and only the tiles whose max reaches s are read (`_gather_tiles`).
+2b. `_gather_count_kernel`, every other row, one pass:
    every program combines the chunk stats, gathers every x >= s of its chunk into the row's list of CAP slots
    (slot from an atomic counter: the list's order does not matter, see 5.); s is a speculative threshold, and the
    pass also counts (and, for top-p without top-k, weighs) x >= t_j at NT thresholds
@@ -28,7 +30,8 @@ Programmatic Dependent Launch on sm_90 (an idle launch overlaps the previous one
 3. `_resolve_kernel`, steps of one pass each for the rows launch 2 left open (others exit at once): the
    regather (x >= t_j into the list; the last program finishes), a radix round, or the race. One launch that
    runs every step, its programs waiting for each round's decision (`_await_counts`), when all of its
-   programs are resident at once; else one launch per step.
+   programs are resident at once; else one grid of at most one program per SM over every (row, chunk), a
+   barrier of the whole grid between steps (`_grid_steps`; it leaves after one load when no row is open).
 4. The radix rounds, at most 2 * rounds_per_phase(bins), for rows whose kept set may exceed CAP: each narrows
    the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut first, then
    top-p's within the top-k set; the race then draws among the kept x of every chunk.
@@ -147,12 +150,21 @@ N_STATS_F = tl.constexpr(5)  # per chunk: max, sum of p relative to it, smallest
 N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 
 
+@triton.jit
+def _from_tiles(temperature, top_k, in_batch, tiles_on, split, G: tl.constexpr):
+    """The rows that launch 2 finishes from tiles (_tiles_kernel): sampled, top-k 0 < k <= their split * G group
+    maxima, tiles_on (tiles_pay_off). From the parameters alone: the stats launch reads it too (these rows need no
+    sum of p and no moments), and the gather + count programs of these rows leave after two loads."""
+    on = in_batch.to(tl.int32) * 0 + tiles_on != 0  # (a scalar bool and a tensor do not mix in the interpreter)
+    return in_batch & (temperature > 0) & (top_k > 0) & (top_k <= split * G) & on
+
+
 @fast_launch
-@triton.jit(do_not_specialize=["B", "temp_stride", "n_counters", "split", "chunk_blocks"])
+@triton.jit(do_not_specialize=["B", "temp_stride", "top_k_stride", "n_counters", "split", "chunk_blocks"])
 def _stats_kernel(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles,
-    counter_ptr, n_counters, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-    TILE: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, part_f_ptr, part_i_ptr, part_g_ptr,
+    part_t_ptr, n_tiles, counter_ptr, n_counters, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr,
+    G: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
     the maxima of G groups of the chunk's slots -> part_g [B, split, G] and the maxima of its tiles
@@ -169,6 +181,11 @@ def _stats_kernel(
     sampled = row_ok & (temperature > 0)
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), LOG2E)[:, None]  # > 0: no 0 * inf below
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
+    # rows from tiles (TILE > 0: launch 2 has them) read neither the sum of p nor the moments: a third of the
+    # loop's instructions, which bound this pass as much as its bytes do
+    k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0)
+    weighed = sampled & ~_from_tiles(temperature, k, row_ok, TILE, split, G)
+    any_weighed = tl.max(weighed.to(tl.int32)) > 0
     best = tl.full((R, BLOCK), float("-inf"), tl.float32)  # per slot: max, its earliest index, NaN seen
     best_idx = tl.zeros((R, BLOCK), tl.int32) + V
     nan_slots = tl.zeros((R, BLOCK), tl.int32)
@@ -190,7 +207,7 @@ def _stats_kernel(
         nan_slots |= nan.to(tl.int32)
         x = tl.where(nan, float("-inf"), x)
         m_new = tl.maximum(best, x)
-        if any_sampled:
+        if any_weighed:
             xg = tl.reshape(x, (R, NG, RW))
             g_new = tl.maximum(g_max, tl.max(xg, 2))  # [R, NG]
             ref_old = tl.where((g_max == float("-inf")) | (g_max == float("inf")), 0.0, g_max)
@@ -199,12 +216,13 @@ def _stats_kernel(
             rescale = tl.where(g_max == float("-inf"), 0.0, tl.exp2((ref_old - ref) * c))
             total = total * rescale[:, :, None] + tl.exp2((xg - ref[:, :, None]) * c[:, :, None])
             g_max = g_new
+            xf = tl.where((x > float("-inf")) & (x < float("inf")), x, 0.0)
+            s1 += xf
+            s2 += xf * xf
+        if any_sampled:
             finite = (x > float("-inf")) & (x < float("inf"))
             n_finite += finite.to(tl.int32)
             x_min = tl.minimum(x_min, tl.where(finite, x, float("inf")))
-            xf = tl.where(finite, x, 0.0)
-            s1 += xf
-            s2 += xf * xf
             if TILE > 0:  # launch 2's rows from tiles read only the tiles whose max reaches their threshold
                 tiles = off // TILE + tl.arange(0, BLOCK // TILE)
                 t_max = tl.max(tl.reshape(x, (R, BLOCK // TILE, TILE)), 2)  # [R, BLOCK // TILE]
@@ -653,27 +671,74 @@ def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtere
 
 
 @fast_launch
-@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["n_tiles", "tiles_on"])
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["n_tiles"])
+def _tiles_kernel(
+    logits_ptr, stride_row, B, V,
+    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    seed_ptr, seed_stride, step_ptr, step_stride,
+    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr,
+    out_ptr, state_i_ptr, state_f_ptr, split, R: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr,
+    SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, NS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """2a. Rows from tiles (_from_tiles), one program each: top-k is on with k' = min(k, finite logits) (the same
+    kept set as top-k off when k' is all of them, so that the top-k set's mass, not the row's sum of p, is top-p's
+    reference). List threshold s: the k'-th largest group maximum (_group_bound), at or below the k'-th logit,
+    clamped to [smallest finite logit, max]; only the tiles whose max reaches it are read (_gather_tiles). The
+    list holds the cut unless it overflows CAP: then the radix rounds start from [s, max]. Its own launch (not a
+    branch of launch 2): a chain of one program whose registers, ~1 wave of programs and length are its own."""
+    allow_dependents(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    wait_for_producers(PDL)
+    in_batch = rows < B
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
+    k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
+    here = _from_tiles(temperature, k, in_batch, 1, split, G)
+    if tl.max(here.to(tl.int32)) > 0:
+        maxima = _load_group_maxima(part_g_ptr, rows, here, split, G, SPLIT)  # with the setup's loads: one round trip
+        t = tl.arange(0, N_TILES)
+        t_ok = here[:, None] & (t < n_tiles)[None, :]
+        t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=here, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows * step_stride, mask=here, other=0).to(tl.int64)
+        (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
+         unfiltered) = _row_setup(rows, here, V, temperature, k, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+                                  part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
+        active = filtered | unfiltered
+        top_k = tl.where(active, tl.minimum(k.to(tl.int64), n_finite), 0)
+        k_on = active
+        s = tl.minimum(tl.maximum(_group_bound(maxima, top_k), x_min), m)
+        n_list = _gather_tiles(base, t_max, s, rows, active, tile_list_ptr, n_tiles, buf_val_ptr, buf_idx_ptr, V,
+                               CAP, TILE, N_TILES, NS)  # fmt: skip
+        listed = active & (n_list <= CAP)
+        radix = active & ~listed
+        if tl.max(listed.to(tl.int32)) > 0:
+            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
+                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+            token = tl.where(listed, drawn, token)
+        _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, here, token, listed,
+                     listed & False, radix, unfiltered & False, _ordered_key(s + 0.0).to(tl.int64),
+                     _ordered_key(m).to(tl.int64), tl.full((R,), float("-inf"), tl.float32), s, n_list, top_k, top_p,
+                     min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
+
+
+@fast_launch
+@triton.jit(do_not_specialize=SEARCH_RUNTIME_ARGS + ["tiles_on"])
 def _gather_count_kernel(
     logits_ptr, stride_row, B, V,
     temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
     seed_ptr, seed_stride, step_ptr, step_stride,
-    part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, tile_list_ptr, tiles_on, search_f_ptr, search_i_ptr,
-    buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks,
-    R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, LOG_CAP: tl.constexpr, NT: tl.constexpr,
-    LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
-    NS: tl.constexpr, PDL: tl.constexpr,
+    part_f_ptr, part_i_ptr, tiles_on, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    state_i_ptr, state_f_ptr, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    LOG_CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """2. A sampled row with top-k 0 < k <= split * G (tiles_on: tiles_pay_off) is finished by its chunk-0
-    program alone: its list threshold is the k-th largest group maximum (_group_bound: at or below the k-th
-    logit; when k is not below the row's finite logits, top-k is off and it is the smallest finite logit, at most
-    k tokens), and only the tiles
-    whose max reaches it are read (_gather_tiles); its other programs exit after two parameter loads. Every other
-    row: one pass over this chunk gathers x >= spec (a speculative threshold) into the row's list and counts
-    (top-p without top-k: also weighs) x >= t_j at NT thresholds; the row's last program to arrive decides
-    (_count_outcome). Either way the deciding program finishes the rows whose list holds the cut (a list that
-    overflows CAP sends a row from tiles to the radix rounds from [threshold, max]) and writes the others' state
-    (regather, radix rounds, race) and every row's token (INVALID_TOKEN for the rows still open)."""
+    """2b. Every row not from tiles (_from_tiles; those rows' programs leave after two parameter loads): one pass
+    over this chunk gathers x >= spec (a speculative threshold) into the row's list and counts (top-p without
+    top-k: also weighs) x >= t_j at NT thresholds; the row's last program to arrive decides (_count_outcome),
+    finishes the rows whose list holds the cut and writes the others' state (regather, radix rounds, race) and
+    every row's token (INVALID_TOKEN for the rows still open)."""
     allow_dependents(PDL)
     chunk = tl.program_id(1)
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
@@ -681,108 +746,49 @@ def _gather_count_kernel(
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     wait_for_producers(PDL)
     in_batch = rows < B
-    # from the parameters alone, so that the row's other programs can leave at once (the setup reuses them)
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
     k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
-    from_tiles = in_batch & (temperature > 0) & (k > 0) & (k <= split * G) & (rows * 0 + tiles_on != 0)
-    here = from_tiles & (rows * 0 + chunk == 0)
-    shared = in_batch & ~from_tiles
-    mine = here | shared
-    if tl.max(mine.to(tl.int32)) > 0:
-        # with the setup's loads: one round trip
-        maxima = _load_group_maxima(part_g_ptr, rows, here, split, G, SPLIT)
-        t = tl.arange(0, N_TILES)
-        t_ok = here[:, None] & (t < n_tiles)[None, :]
-        t_max = tl.load(part_t_ptr + rows[:, None] * n_tiles + t[None, :], mask=t_ok, other=float("-inf"))
-        seed = tl.load(seed_ptr + rows * seed_stride, mask=mine, other=0).to(tl.int64)
-        step = tl.load(step_ptr + rows * step_stride, mask=mine, other=0).to(tl.int64)
+    shared = in_batch & ~_from_tiles(temperature, k, in_batch, tiles_on, split, G)
+    if tl.max(shared.to(tl.int32)) > 0:
+        seed = tl.load(seed_ptr + rows * seed_stride, mask=shared, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows * step_stride, mask=shared, other=0).to(tl.int64)
         (row_ok, top_k, top_p, min_p, c, m, total, x_min, n_finite, mean, std, token, k_on, p_on, mp_on, filtered,
-         unfiltered) = _row_setup(rows, mine, V, temperature, k, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+         unfiltered) = _row_setup(rows, shared, V, temperature, k, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
                                   part_f_ptr, part_i_ptr, split, SPLIT)  # fmt: skip
         spec = _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on,
                                       mp_on, filtered, CAP)  # fmt: skip
-        # the decision of the rows this program decides for (`last`); rows from tiles: the rounds' bracket
-        # [threshold, max] if their list overflows
-        last = here
-        n_list = tl.zeros((R,), tl.int32)
-        listed = here & False
-        regather = listed
-        radix = listed
-        s = tl.full((R,), float("-inf"), tl.float32)
-        if tl.max(here.to(tl.int32)) > 0:
-            s_group = _group_bound(maxima, top_k)
-            spec = tl.where(here, tl.where(k_on, tl.minimum(tl.maximum(s_group, x_min), m), x_min), spec)
-            n_list = _gather_tiles(base, t_max, spec, rows, here & filtered, tile_list_ptr, n_tiles, buf_val_ptr,
-                                   buf_idx_ptr, V, CAP, TILE, N_TILES, NS)  # fmt: skip
-            listed = here & filtered & (n_list <= CAP)
-            radix = here & filtered & ~listed
-        lo = _ordered_key(spec + 0.0).to(tl.int64)
-        hi = _ordered_key(m).to(tl.int64)
-        if tl.max(shared.to(tl.int32)) > 0:
-            last_shared, n_list_s, listed_s, regather_s, s_s, radix_s, lo_s, hi_s = _gather_count_rows(
-                base, rows, shared, filtered & shared, chunk, start, end, B, split, spec, m, c, total, x_min, n_finite,
-                mean, std, top_k, top_p, min_p, k_on, p_on, mp_on, search_f_ptr, search_i_ptr, buf_val_ptr,
-                buf_idx_ptr, counter_ptr, BLOCK, CAP, NT, LOG_NT, SPLIT,
+        j = tl.arange(0, NT)
+        sbase = (rows * split + chunk) * (NT + 1)  # this chunk's partials
+        if tl.max(filtered.to(tl.int32)) > 0:  # [R, NT], decreasing
+            thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
+            use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
+            cnt, mass, mass_spec = _gather_count_pass(
+                base, _load_block(base, start, end, filtered, BLOCK), start, end, spec, thr, m, c, rows, filtered,
+                use_mass, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
             )  # fmt: skip
-            last = here | last_shared
-            n_list = tl.where(last_shared, n_list_s, n_list)
-            listed = tl.where(last_shared, listed_s, listed)
-            regather = tl.where(last_shared, regather_s, regather)
-            radix = tl.where(last_shared, radix_s, radix)
-            s = tl.where(last_shared, s_s, s)
-            lo = tl.where(last_shared, lo_s, lo)
-            hi = tl.where(last_shared, hi_s, hi)
-        if tl.max(listed.to(tl.int32)) > 0:
-            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
-                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
-            token = tl.where(listed, drawn, token)
-        _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, last, token, listed,
-                     regather, radix, unfiltered, lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m,
-                     total, x_min)  # fmt: skip
-
-
-@triton.jit
-def _gather_count_rows(
-    base, rows, shared, filtered, chunk, start, end, B, split, spec, m, c, total, x_min, n_finite, mean, std, top_k,
-    top_p, min_p, k_on, p_on, mp_on, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Launch 2 for rows `shared` (the rows not finished from tiles; `filtered`: those with a filter): the gather +
-    count pass over this chunk -> (the rows whose last program this is, and their decision, _count_outcome)."""
-    R: tl.constexpr = rows.shape[0]
-    j = tl.arange(0, NT)
-    sbase = (rows * split + chunk) * (NT + 1)  # this chunk's partials
-    if tl.max(filtered.to(tl.int32)) > 0:  # [R, NT], decreasing
-        thr = _count_thresholds(m, x_min, n_finite, mean, std, top_k, k_on, filtered, CAP, NT, LOG_NT)
-        use_mass = tl.max((p_on & ~k_on).to(tl.int32)) > 0
-        cnt, mass, mass_spec = _gather_count_pass(
-            base, _load_block(base, start, end, filtered, BLOCK), start, end, spec, thr, m, c, rows, filtered,
-            use_mass, counter_ptr + C_COUNT_LIST * B, buf_val_ptr, buf_idx_ptr, CAP, BLOCK, NT,
-        )  # fmt: skip
-    else:  # no pass
-        thr = tl.zeros((R, NT), tl.float32)
-        cnt = tl.zeros((R, NT), tl.int32)
-        mass = tl.zeros((R, NT), tl.float32)
-        mass_spec = tl.zeros((R,), tl.float32)
-    tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=shared[:, None])
-    tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=shared[:, None])
-    tl.store(search_f_ptr + sbase + NT, mass_spec, mask=shared)
-    tl.debug_barrier()  # every thread's stores before the release below
-    arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=shared, sem="acq_rel", scope="gpu")
-    last = shared & (arrived == split - 1)  # the row's last program to arrive decides for it
-    n_list = tl.zeros((R,), tl.int32)
-    listed = last & False
-    regather = listed
-    radix = listed
-    s = tl.zeros((R,), tl.float32)
-    lo = tl.zeros((R,), tl.int64)
-    hi = lo
-    if tl.max(last.to(tl.int32)) > 0:
-        n_list, listed, regather, s, radix, lo, hi = _count_outcome(
-            search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
-            top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
-        )  # fmt: skip
-    return last, n_list, listed, regather, s, radix, lo, hi
+        else:  # no pass
+            thr = tl.zeros((R, NT), tl.float32)
+            cnt = tl.zeros((R, NT), tl.int32)
+            mass = tl.zeros((R, NT), tl.float32)
+            mass_spec = tl.zeros((R,), tl.float32)
+        tl.store(search_i_ptr + sbase[:, None] + j[None, :], cnt, mask=shared[:, None])
+        tl.store(search_f_ptr + sbase[:, None] + j[None, :], mass, mask=shared[:, None])
+        tl.store(search_f_ptr + sbase + NT, mass_spec, mask=shared)
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=shared, sem="acq_rel", scope="gpu")
+        last = shared & (arrived == split - 1)  # the row's last program to arrive decides for it
+        if tl.max(last.to(tl.int32)) > 0:  # (the finish in this region: triton 3.6 fails to compile it after it)
+            n_list, listed, regather, s, radix, lo, hi = _count_outcome(
+                search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
+                top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
+            )  # fmt: skip
+            if tl.max(listed.to(tl.int32)) > 0:
+                drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
+                                          min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+                token = tl.where(listed, drawn, token)
+            _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, last, token, listed,
+                         regather, radix, unfiltered, lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m,
+                         total, x_min)  # fmt: skip
 
 
 @triton.jit
@@ -1122,7 +1128,7 @@ def group_count(split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=False):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1137,9 +1143,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     tiles (whether sampled top-k rows with k up to their ~GROUPS group maxima are finished from tiles by one
     program; default: tiles_pay_off; False: every row takes the gather + count pass) is both. grid_steps: launch 3
     as one grid of at most one program per SM that runs every step with a grid barrier between them (_grid_steps;
-    one program in the CPU interpreter), instead of resolve_plan's choice: not the default until timed on the GPU
-    (experiments/ab_sampling.py), where it would replace B >= 17's 33 one-step launches (69 us at B = 256 when no
-    row needs them, profile_sampling at 0e75ebe)."""
+    one program in the CPU interpreter). Default (None): on the GPU wherever it cannot wait inside (resolve_plan),
+    in place of B >= 17's 33 one-step launches (B = 256 top-k 50 + top-p 0.9: 267 -> 219 us when no row needs
+    them, results/ab_sampling.json at d362d0f); a launch per step in the CPU interpreter. False: resolve_plan's
+    launches (a test hook and the A/B's other side)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -1200,21 +1207,30 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     opts = {"num_warps": 8 if logits.is_cuda else 1, "PDL": on, "launch_pdl": on}
     SPLIT = next_power_of_2(split)
     _stats_kernel[grid](
-        logits, logits.stride(0), B, V, temperature, temperature.stride(0), part_f, part_i, part_g, part_t, n_tiles,
+        logits, logits.stride(0), B, V, temperature, temperature.stride(0), top_k, top_k.stride(0), part_f, part_i,
+        part_g, part_t, n_tiles,
         counters, counters.shape[0], split, chunk_blocks, R=rows, BLOCK=block, G=n_groups,
         TILE=tile_len if tiles else 0, **opts,  # no tile maxima (and their store's barriers) where no row reads them
     )  # fmt: skip
     params = [x for t in (temperature, top_k, top_p, min_p, seed, step) for x in (t, t.stride(0))]
+    if tiles:
+        _tiles_kernel[(blocks,)](
+            logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, buf_val,
+            buf_idx, counters, out, state, state_f, split, R=rows, CAP=cap, LOG_CAP=log_cap, SPLIT=SPLIT, G=n_groups,
+            TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD, **opts,
+        )  # fmt: skip
     _gather_count_kernel[grid](
-        logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, int(tiles),
-        search_f, search_i, buf_val, buf_idx, counters, out, state, state_f, split, chunk_blocks * (block // block_c),
-        R=rows, BLOCK=block_c, CAP=cap, LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
-        TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD, **opts,
+        logits, logits.stride(0), B, V, *params, part_f, part_i, int(tiles), search_f, search_i, buf_val, buf_idx,
+        counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
+        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups, **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
     # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
     # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
+    waits, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+    if grid_steps is None:  # the GPU's default where launch 3 cannot wait inside (B >= 17 on the H200)
+        grid_steps = logits.is_cuda and persistent is None and not waits
     if grid_steps:  # every (row block, chunk) of launch 2's split an item; resident: one program per SM at most
         programs = min(_sm_count(device), blocks * split) if logits.is_cuda else 1
         _resolve_kernel[(programs, 1)](
@@ -1225,7 +1241,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         )  # fmt: skip
         return out
     if persistent is None:
-        persistent, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+        persistent = waits
     else:  # the interpreter runs a program to its end before the next: a wait for a sibling would never end
         assert logits.is_cuda or split == 1 or not persistent, "waiting inside on the CPU needs split = 1"
         split_r = split

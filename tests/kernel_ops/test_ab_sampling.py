@@ -22,6 +22,7 @@ def test_ab_sampling_times_a_variant_beside_the_checkout(tmp_path):
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["current", "copy", "grid"]
+    assert {r["mode"] for r in rows} == {"topk50_topp0.9"}
     assert rows[2]["knobs"] == {"grid_steps": 1}
     for r in rows:
         assert len(r["rounds_us"]) == 2 and r["us"] > 0
