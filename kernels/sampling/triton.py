@@ -1128,7 +1128,7 @@ def group_count(split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=8):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1136,7 +1136,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     shape, while 4 sent zipf rows to the radix rounds, 5.4 ms: results/probe_sampling_count.json) / rows (rows per
     program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per round, a power of 2; default on
     the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
-    rows to the regather and the radix rounds and set split on the CPU.
+    rows to the regather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
+    programs (one row's chain each).
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
@@ -1217,7 +1218,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         _tiles_kernel[(blocks,)](
             logits, logits.stride(0), B, V, *params, part_f, part_i, part_g, part_t, n_tiles, tile_list, buf_val,
             buf_idx, counters, out, state, state_f, split, R=rows, CAP=cap, LOG_CAP=log_cap, SPLIT=SPLIT, G=n_groups,
-            TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD, **opts,
+            TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD,
+            **opts | {"num_warps": tile_warps if logits.is_cuda else 1},
         )  # fmt: skip
     _gather_count_kernel[grid](
         logits, logits.stride(0), B, V, *params, part_f, part_i, int(tiles), search_f, search_i, buf_val, buf_idx,
