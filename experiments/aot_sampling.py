@@ -11,6 +11,7 @@ commit).
 """
 
 import argparse
+import inspect
 import re
 import sys
 import tempfile
@@ -27,7 +28,8 @@ from kernels.launch import cdiv, next_power_of_2  # noqa: E402
 from kernels.sampling import triton as fused  # noqa: E402
 
 V = 248_320
-NUM_WARPS = 8  # every sampling launch on the GPU
+NUM_WARPS = 8  # every sampling launch on the GPU but launch 2a (tiles)
+TILE_WARPS = inspect.signature(fused.launch).parameters["tile_warps"].default
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
@@ -68,7 +70,8 @@ def kernels_at(p: dict) -> dict:
     g = {"G": p["groups"], "TILE": tile}
     tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)), "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
-              "SPLIT": next_power_of_2(p["split"]), "PDL": True, "G": p["groups"]}  # fmt: skip
+              "SPLIT": next_power_of_2(p["split"]), "PDL": True, "G": p["groups"],
+              "ITEMS": next_power_of_2(cdiv(p["B"] * p["split"], min(SMS, p["B"] * p["split"])))}  # fmt: skip
     from_tiles = {"R": 1, "CAP": p["cap"], "LOG_CAP": 10, "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g,
                   **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
@@ -83,7 +86,7 @@ def kernels_at(p: dict) -> dict:
             programs,
         ),
         "tiles": (fused._tiles_kernel, from_tiles, p["B"]),  # launched only where p["tiles"]
-        "gather_count": (fused._gather_count_kernel, gather, programs),
+        "gather_count": (fused._gather_count_kernel, gather, min(SMS, programs)),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
     }
@@ -114,9 +117,10 @@ def main():
         for B in (1, 256):
             p = launch_params(B)
             for name, (kernel, constexprs, programs) in kernels_at(p).items():
-                r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), NUM_WARPS, 1), Path(tmp))
+                warps = TILE_WARPS if name == "tiles" else NUM_WARPS
+                r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), warps, 1), Path(tmp))
                 sass = (Path(tmp) / f"{name}_B{B}.sass").read_text()
-                fill = occupancy(r["registers"], r["shared_bytes"], NUM_WARPS, programs)
+                fill = occupancy(r["registers"], r["shared_bytes"], warps, programs)
                 row = {"B": B, "kernel": name, "registers": r["registers"], "spill_bytes": r["spill_store_bytes"],
                        "shared_bytes": r["shared_bytes"], **fill, "sass_instructions": r["sass_instructions"],
                        "loops": loops(sass), "launch": p}  # fmt: skip

@@ -732,21 +732,52 @@ def _gather_count_kernel(
     part_f_ptr, part_i_ptr, tiles_on, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
     state_i_ptr, state_f_ptr, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     LOG_CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr,
-    PDL: tl.constexpr,
+    ITEMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """2b. Every row not from tiles (_from_tiles; those rows' programs leave after two parameter loads): one pass
-    over this chunk gathers x >= spec (a speculative threshold) into the row's list and counts (top-p without
-    top-k: also weighs) x >= t_j at NT thresholds; the row's last program to arrive decides (_count_outcome),
-    finishes the rows whose list holds the cut and writes the others' state (regather, radix rounds, race) and
-    every row's token (INVALID_TOKEN for the rows still open)."""
+    """2b. Every row not from tiles (_from_tiles): one pass over each (row block, chunk) item, _gather_count_item.
+    The P programs take items pid, pid + P, ... (ITEMS at most each) and drop the items of rows from tiles after
+    one load of all their items' parameters: a batch of such rows costs no wave of programs that only leave (2,048
+    of them took 28 us at B = 256, profile_sampling at a034b2f)."""
     allow_dependents(PDL)
-    chunk = tl.program_id(1)
-    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    P = tl.num_programs(0)
+    slot = tl.arange(0, ITEMS)
+    items = tl.program_id(0) + P * slot
+    rows = (items // split)[:, None] * R + tl.arange(0, R)[None, :]  # [ITEMS, R]
     wait_for_producers(PDL)
+    ok = (items < tl.cdiv(B, R) * split)[:, None] & (rows < B)
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=ok, other=0.0)
+    k = tl.load(top_k_ptr + rows * top_k_stride, mask=ok, other=0)
+    work = tl.max((ok & ~_from_tiles(temperature, k, ok, tiles_on, split, G)).to(tl.int32), 1)  # [ITEMS]
+    for n in range(ITEMS):
+        if tl.sum(tl.where(slot == n, work, 0)) > 0:
+            item = tl.program_id(0) + P * n
+            _gather_count_item(
+                logits_ptr, stride_row, (item // split) * R + tl.arange(0, R), item % split, B, V, temp_ptr,
+                temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, seed_ptr,
+                seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr, tiles_on, search_f_ptr, search_i_ptr,
+                buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks, R,
+                BLOCK, CAP, LOG_CAP, NT, LOG_NT, SPLIT, G,
+            )  # fmt: skip
+
+
+@triton.jit
+def _gather_count_item(
+    logits_ptr, stride_row, rows, chunk, B, V,
+    temp_ptr, temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride,
+    seed_ptr, seed_stride, step_ptr, step_stride,
+    part_f_ptr, part_i_ptr, tiles_on, search_f_ptr, search_i_ptr, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr,
+    state_i_ptr, state_f_ptr, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    LOG_CAP: tl.constexpr, NT: tl.constexpr, LOG_NT: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr,
+):  # fmt: skip
+    """One (row block, chunk) item of launch 2b for its rows not from tiles: one pass over the chunk gathers x >=
+    spec (a speculative threshold) into the row's list and counts (top-p without top-k: also weighs) x >= t_j at
+    NT thresholds; the row's last program to arrive decides (_count_outcome), finishes the rows whose list holds
+    the cut and writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN for
+    the rows still open)."""
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
     in_batch = rows < B
-    temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=in_batch, other=0.0)  # (L2 hits: loaded before)
     k = tl.load(top_k_ptr + rows * top_k_stride, mask=in_batch, other=0)
     shared = in_batch & ~_from_tiles(temperature, k, in_batch, tiles_on, split, G)
     if tl.max(shared.to(tl.int32)) > 0:
@@ -1128,7 +1159,7 @@ def group_count(split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=8):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=4):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1137,7 +1168,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per round, a power of 2; default on
     the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
     rows to the regather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
-    programs (one row's chain each).
+    programs (one row's chain each; 4: two programs per SM, B = 256's 256 rows in one wave, 158 -> 149 us against
+    8 warps, results/ab_sampling.json at a034b2f).
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
@@ -1221,10 +1253,14 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
             TILE=tile_len, N_TILES=next_power_of_2(n_tiles), NS=TILES_PER_LOAD,
             **opts | {"num_warps": tile_warps if logits.is_cuda else 1},
         )  # fmt: skip
-    _gather_count_kernel[grid](
+    items = blocks * split
+    # one program per SM at its registers; the interpreter runs 2 items a program (the item loop is tested there)
+    item_programs = min(items, _sm_count(device)) if logits.is_cuda else cdiv(items, 2)
+    _gather_count_kernel[(item_programs,)](
         logits, logits.stride(0), B, V, *params, part_f, part_i, int(tiles), search_f, search_i, buf_val, buf_idx,
         counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
-        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups, **opts,
+        LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
+        ITEMS=next_power_of_2(cdiv(items, item_programs)), **opts,
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
