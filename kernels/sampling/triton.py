@@ -1144,11 +1144,11 @@ def rounds_per_phase(bins: int) -> int:
 
 
 def tiles_pay_off(B: int, split: int, sms: int) -> bool:
-    """Whether launch 2 finishes top-k rows from tiles (one program a row): not when its grid (B * split programs,
-    one row each) fits in one wave on `sms` SMs (0: the CPU interpreter, always). There every row's pass is spread
-    over its chunks' programs at once, and the one program's chain is longer: B = 1 top-k 50 + top-p 0.9, launch 2
-    44 us (profile_sampling at 0e75ebe) against ~18 us for the gather + count pass (2afaede). From one wave up
-    the tiles win: B = 256, 258 us against 650 (bench_sampling, 0e75ebe against a9bf946)."""
+    """Whether launch 2a finishes top-k rows from tiles (one program a row): not when launch 2b's grid (B * split
+    programs, one row each) fits in one wave on `sms` SMs (0: the CPU interpreter, always). There every row's pass
+    is spread over its chunks' programs at once and beats the one program's chain: B = 1 top-k 50 + top-p 0.9,
+    23.8 / 22.4 us (llm / ties) against 24.5 / 32.0 from tiles (results/ab_sampling.json at a034b2f). From two
+    waves up the tiles win: B = 256, 158 us against 650 (a9bf946's pass)."""
     return sms == 0 or B * split > sms
 
 

@@ -100,6 +100,25 @@ def test_distribution_chi_square(V, draws, cap):
         assert pvalue > 1e-3, f"combo {combo}: chi-square p = {pvalue:.2e}"
 
 
+@pytest.mark.parametrize("tiles", [True, False])
+def test_distribution_with_top_k_at_or_above_the_finite_logits(tiles):
+    # top-k with k >= the row's finite logits keeps them all (top-k off), so top-p's mass is the row's. From tiles
+    # (launch 2a: top-k on with k' = min(k, finite), the stats write no sum of p for such rows) top-p must still
+    # renormalise over every finite logit: a top-p reference of 0 (k' not applied) would keep only the max
+    torch.manual_seed(3)
+    logits = torch.full((64,), float("-inf"))
+    logits[[2, 9, 17, 30, 41, 63]] = torch.randn(6) * 0.7  # 6 finite logits, spread over the row's tiles
+    combos = [
+        (1.0, 10, 0.8, 0.0),  # k above the 6 finite logits
+        (1.0, 6, 0.8, 0.0),  # k equal to them
+        (0.9, 50, 0.95, 0.1),  # with min-p
+    ]
+    tokens = draw_combos(lambda *a: fused.launch(*a, tiles=tiles), logits, combos, 3_000)
+    for combo, row in zip(combos, tokens):
+        pvalue = chi_square_pvalue(row, filtered_distribution(logits, *combo))
+        assert pvalue > 1e-3, f"combo {combo}: chi-square p = {pvalue:.2e}"
+
+
 def test_torch_sampler_distribution_chi_square():
     # the torch sampler (own hash instead of Philox) must pass the same test
     torch.manual_seed(1)
