@@ -168,9 +168,11 @@ def _stats_kernel(
 ):  # fmt: skip
     """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
     the maxima of G groups of the chunk's slots -> part_g [B, split, G] and the maxima of its tiles
-    of TILE tokens -> part_t [B, n_tiles] (TILE = 0: none); zeroes the rows' counters (counter_ptr [n_counters,
-    B]). Every other statistic is kept per slot of the block and reduced once after the loop; a tile is a warp's
-    span of the block (32 threads x 4 tokens on the GPU), so its max needs no cross-warp reduction."""
+    of TILE tokens -> part_t [B, n_tiles] (TILE = 0: none, and no rows from tiles); zeroes the rows' counters
+    (counter_ptr [n_counters, B]). Rows from tiles (_from_tiles) get no sum of p, sum or sum of squares (zeros:
+    launch 2a reads none of them). Every other statistic is kept per slot of the block and reduced once after the
+    loop; a tile is a warp's span of the block (32 threads x 4 tokens on the GPU), so its max needs no cross-warp
+    reduction."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
