@@ -1266,13 +1266,13 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
-    # are running. Else (and in the interpreter, which runs one program after another) one launch per step,
-    # each a full pass of every open row (faster than waves of resident rows when most rows need the rounds).
+    # are running. Else, on the GPU, one grid of at most one program per SM with a grid barrier between steps;
+    # in the interpreter (which runs one program after another) one launch per step.
     waits, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
     if grid_steps is None:  # the GPU's default where launch 3 cannot wait inside (B >= 17 on the H200)
         grid_steps = logits.is_cuda and persistent is None and not waits
-    if grid_steps:  # every (row block, chunk) of launch 2's split an item; resident: one program per SM at most
-        programs = min(_sm_count(device), blocks * split) if logits.is_cuda else 1
+    if grid_steps:  # launch 2b's items; resident: one program per SM at most
+        programs = item_programs if logits.is_cuda else 1
         _resolve_kernel[(programs, 1)](
             logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
             buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split, chunk_blocks, 0, steps, R=rows,
