@@ -405,12 +405,13 @@ def _count_thresholds(
 def _gather_block(x, cols, take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
     """Appends the taken x [R, N] (token ids: cols, [1, N] or [R, N]) to their rows' lists of CAP slots; the slot
     comes from the row's list counter (the list's order is free: the finish sorts it and breaks race ties by token
-    id)."""
+    id) -> the slots [R, N] (undefined where not taken)."""
     pos = tl.atomic_add(list_ptr + rows[:, None] + cols * 0, 1, mask=take, sem="relaxed")
     at = rows[:, None].to(tl.int64) * CAP + pos
     ok = take & (pos < CAP)
     tl.store(buf_val_ptr + at, x, mask=ok)
     tl.store(buf_idx_ptr + at, cols + pos * 0, mask=ok)
+    return pos
 
 
 @triton.jit
@@ -565,13 +566,17 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
 
 
 @triton.jit
-def _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
-    """Launch 2's gather of one block: its x >= spec into the rows' lists; a block with none skips the append (most
-    blocks hold no token of a short list) -> the mask of the gathered x."""
-    take = (x >= spec[:, None]) & msk
+def _gather_above(x, cols, msk, spec, appending, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP: tl.constexpr):
+    """Launch 2's gather of one block: its x >= spec into the lists of the rows still `appending`; a block with
+    none skips the append (most blocks hold no token of a short list) -> (the mask of the gathered x, appending:
+    false from a slot >= CAP on). A full list has overflowed (the row's count passed CAP), so more appends only
+    contend for its counter: top-p 0.95 on flat rows appended every token, 247k atomics a row, 33 ms at B = 256
+    (results/ab_sampling_rounds.json at 0006c4a)."""
+    take = (x >= spec[:, None]) & msk & appending[:, None]
     if tl.max(tl.max(take.to(tl.int32), 1), 0) > 0:
-        _gather_block(x, cols[None, :], take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
-    return take
+        pos = _gather_block(x, cols[None, :], take, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        appending = appending & (tl.max(tl.where(take, pos, 0), 1) < CAP)
+    return take, appending
 
 
 @triton.jit
@@ -651,18 +656,19 @@ def _gather_tiles(base, t_max, spec, rows, filtered, tile_list_ptr, n_tiles, buf
 @triton.jit
 def _gather_count_pass(base, x_next, start, stop, spec, thr, m, c, rows, filtered, use_mass, list_ptr, buf_val_ptr,
                        buf_idx_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-    """Launch 2's pass with the thresholds: each x >= spec into its row's list, and per row the count (top-p
-    without top-k, use_mass: also the mass) of x >= thr[j] and the mass of the listed x -> ([R, NT], [R, NT],
-    [R]). Per slot and threshold, reduced across threads once after the loop (as in the radix rounds): the same
-    time as a tl.histogram of each token's bucket for counts, and top-p's masses without one cross-thread
-    reduction per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696:
+    """Launch 2's pass with the thresholds: each x >= spec into its row's list (until it overflows), and per row
+    the count (top-p without top-k, use_mass: also the mass) of x >= thr[j] and the mass of the listed x -> ([R,
+    NT], [R, NT], [R]). Per slot and threshold, reduced across threads once after the loop (as in the radix
+    rounds): the same time as a tl.histogram of each token's bucket for counts, and top-p's masses without one
+    cross-thread reduction per threshold and block (B = 256 top-p 0.95: llm 2,046 -> 1,196 us, flat 5,549 -> 4,696:
     results/probe_sampling_count.json)."""
     cnt_slots = tl.zeros((rows.shape[0], BLOCK, NT), tl.int32)
     mass_slots = tl.zeros((rows.shape[0], BLOCK, NT), tl.float32)
     mass_spec = tl.zeros((rows.shape[0], BLOCK), tl.float32)
+    appending = filtered
     for off in range(start, stop, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, stop, filtered, BLOCK)
-        take = _gather_above(x, cols, msk, spec, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
+        take, appending = _gather_above(x, cols, msk, spec, appending, rows, list_ptr, buf_val_ptr, buf_idx_ptr, CAP)
         passed = x[:, :, None] >= thr[:, None, :]  # masked x are -inf, below every threshold of an active row
         cnt_slots += passed.to(tl.int32)
         if use_mass:  # only top-p without top-k reads masses (with top-k, the list's count decides)
@@ -739,14 +745,16 @@ def _gather_count_kernel(
     """2b. Every row not from tiles (_from_tiles): one pass over each (row block, chunk) item, _gather_count_item.
     The P programs take items pid, pid + P, ... (ITEMS at most each) and drop the items of rows from tiles after
     one load of all their items' parameters: a batch of such rows costs no wave of programs that only leave (2,048
-    of them took 28 us at B = 256, profile_sampling at a034b2f)."""
+    of them took 28 us at B = 256, profile_sampling at a034b2f). Item i is chunk i // blocks of row block i %
+    blocks: programs that run at once work on different rows, whose list counters sit in different L2 slices."""
     allow_dependents(PDL)
     P = tl.num_programs(0)
+    blocks = tl.cdiv(B, R)
     slot = tl.arange(0, ITEMS)
     items = tl.program_id(0) + P * slot
-    rows = (items // split)[:, None] * R + tl.arange(0, R)[None, :]  # [ITEMS, R]
+    rows = (items % blocks)[:, None] * R + tl.arange(0, R)[None, :]  # [ITEMS, R]
     wait_for_producers(PDL)
-    ok = (items < tl.cdiv(B, R) * split)[:, None] & (rows < B)
+    ok = (items < blocks * split)[:, None] & (rows < B)
     temperature = tl.load(temp_ptr + rows * temp_stride, mask=ok, other=0.0)
     k = tl.load(top_k_ptr + rows * top_k_stride, mask=ok, other=0)
     work = tl.max((ok & ~_from_tiles(temperature, k, ok, tiles_on, split, G)).to(tl.int32), 1)  # [ITEMS]
@@ -754,7 +762,7 @@ def _gather_count_kernel(
         if tl.sum(tl.where(slot == n, work, 0)) > 0:
             item = tl.program_id(0) + P * n
             _gather_count_item(
-                logits_ptr, stride_row, (item // split) * R + tl.arange(0, R), item % split, B, V, temp_ptr,
+                logits_ptr, stride_row, (item % blocks) * R + tl.arange(0, R), item // blocks, B, V, temp_ptr,
                 temp_stride, top_k_ptr, top_k_stride, top_p_ptr, top_p_stride, min_p_ptr, min_p_stride, seed_ptr,
                 seed_stride, step_ptr, step_stride, part_f_ptr, part_i_ptr, tiles_on, search_f_ptr, search_i_ptr,
                 buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, state_i_ptr, state_f_ptr, split, chunk_blocks, R,
@@ -1161,7 +1169,8 @@ def group_count(split: int, block: int) -> int:
 
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
-           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=4):  # fmt: skip
+           bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=4,
+           count_warps=8):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1171,7 +1180,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
     rows to the regather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
     programs (one row's chain each; 4: two programs per SM, B = 256's 256 rows in one wave, 158 -> 149 us against
-    8 warps, results/ab_sampling.json at a034b2f).
+    8 warps, results/ab_sampling.json at a034b2f). count_warps: the warps of launch 2b's programs (a power of 2 <=
+    8; 8 // count_warps programs per SM).
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
@@ -1188,6 +1198,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         return out
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     assert nt >= 4 and nt & (nt - 1) == 0, "nt must be a power of 2 >= 4"
+    assert count_warps in (1, 2, 4, 8), "count_warps must be 1, 2, 4 or 8"
     if bins is None:  # H200, results/bench_sampling_1b7448f.json: 64 bins made a round 5-7x slower than 16 ([64, 64]
         # threshold tile per block); 4 bins (more, streaming rounds) win at B = 256, 16 (fewer launches) at B = 1
         bins = (16 if B < 64 else 4) if logits.is_cuda else 16
@@ -1256,23 +1267,25 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
             **opts | {"num_warps": tile_warps if logits.is_cuda else 1},
         )  # fmt: skip
     items = blocks * split
-    # one program per SM at its registers; the interpreter runs 2 items a program (the item loop is tested there)
-    item_programs = min(items, _sm_count(device)) if logits.is_cuda else cdiv(items, 2)
+    # 8 warps' worth of programs per SM (what its registers allow); the interpreter runs 2 items a program (the
+    # item loop is tested there)
+    sms = _sm_count(device) if logits.is_cuda else 0
+    item_programs = min(items, sms * (8 // count_warps)) if logits.is_cuda else cdiv(items, 2)
     _gather_count_kernel[(item_programs,)](
         logits, logits.stride(0), B, V, *params, part_f, part_i, int(tiles), search_f, search_i, buf_val, buf_idx,
         counters, out, state, state_f, split, chunk_blocks * (block // block_c), R=rows, BLOCK=block_c, CAP=cap,
         LOG_CAP=log_cap, NT=nt, LOG_NT=nt.bit_length() - 1, SPLIT=SPLIT, G=n_groups,
-        ITEMS=next_power_of_2(cdiv(items, item_programs)), **opts,
+        ITEMS=next_power_of_2(cdiv(items, item_programs)), **opts | {"num_warps": count_warps if logits.is_cuda else 1},
     )  # fmt: skip
     # Launch 3 waits inside for its rows' round decisions when its whole grid is resident at once (one program
     # per SM always fits), with `split_r` >= MIN_SPLIT_R programs per row: then a waiting program's siblings
     # are running. Else, on the GPU, one grid of at most one program per SM with a grid barrier between steps;
     # in the interpreter (which runs one program after another) one launch per step.
-    waits, split_r = resolve_plan(blocks, split, _sm_count(device) if logits.is_cuda else 0)
+    waits, split_r = resolve_plan(blocks, split, sms)
     if grid_steps is None:  # the GPU's default where launch 3 cannot wait inside (B >= 17 on the H200)
         grid_steps = logits.is_cuda and persistent is None and not waits
     if grid_steps:  # launch 2b's items; resident: one program per SM at most
-        programs = item_programs if logits.is_cuda else 1
+        programs = min(items, sms) if logits.is_cuda else 1
         _resolve_kernel[(programs, 1)](
             logits, logits.stride(0), B, V, seed, seed.stride(0), step, step.stride(0), state, state_f, buf_val,
             buf_idx, round_cnt, round_mass, race_f, race_i, counters, out, split, chunk_blocks, 0, steps, R=rows,
