@@ -1170,7 +1170,7 @@ def group_count(split: int, block: int) -> int:
 
 def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap=None, nt=8, rows=None, split=None,
            bins=None, rounds=None, state=None, persistent=None, tiles=None, grid_steps=None, tile_warps=4,
-           count_warps=8):  # fmt: skip
+           count_warps=4):  # fmt: skip
     """Run the kernels on [B] parameter tensors (any stride, e.g. expanded scalars) -> int64 [B].
 
     block / cap (the row's list: the finish sorts it in registers) / nt (thresholds counted in launch 2, a power
@@ -1181,7 +1181,10 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     rows to the regather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
     programs (one row's chain each; 4: two programs per SM, B = 256's 256 rows in one wave, 158 -> 149 us against
     8 warps, results/ab_sampling.json at a034b2f). count_warps: the warps of launch 2b's programs (a power of 2 <=
-    8; 8 // count_warps programs per SM).
+    8; 8 // count_warps programs per SM, blocks of 128 * count_warps tokens). 4: B = 1 top-k 50 + top-p 0.9 24.2
+    -> 19.7 us on llm rows, 22.7 -> 17.1 on ties, B = 256 147.2 -> 144.8 against 8 (the B = 1 finish, one
+    program's sort and sums, runs over fewer warps); 2: 36.3 us at B = 1 (results/ab_sampling_warps.json at
+    ed7f8c4, where w4b512 is this default).
     rounds (default: the bound, 2 * rounds_per_phase(bins)), state (an int64 [B, N_STATE] tensor that receives
     the rows' state: phase, cut, rounds per phase) and persistent (launch 3 as one launch that waits inside, or one
     per step, instead of resolve_plan's choice; waiting in the CPU interpreter needs split = 1) are test hooks.
@@ -1205,7 +1208,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     assert bins >= 2 and bins & (bins - 1) == 0, "bins must be a power of 2"
     if block is None:
         block = min(2048, next_power_of_2(V))
-    block_c = min(block, 1024)  # launch 2 keeps more per slot: 4 tokens per thread (88 registers on sm_90)
+    block_c = min(block, 128 * count_warps)  # launch 2b keeps more per slot: 4 tokens a thread
     block_r = min(block, max(16, 4096 // bins))  # [R, BLOCK, bins] slots per radix program: 16 per thread
     if cap is None:  # the list never needs more than V slots
         cap = max(2, min(1024, next_power_of_2(V)))
