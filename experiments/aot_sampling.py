@@ -28,8 +28,9 @@ from kernels.launch import cdiv, next_power_of_2  # noqa: E402
 from kernels.sampling import triton as fused  # noqa: E402
 
 V = 248_320
-NUM_WARPS = 8  # every sampling launch on the GPU but launch 2a (tiles)
+NUM_WARPS = 8  # every sampling launch on the GPU but launches 2a (tiles) and 2b (gather_count)
 TILE_WARPS = inspect.signature(fused.launch).parameters["tile_warps"].default
+COUNT_WARPS = inspect.signature(fused.launch).parameters["count_warps"].default
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
@@ -57,10 +58,15 @@ def launch_params(B: int) -> dict:
     split = min(fused.SPLIT_MAX, cdiv(2048, B), cdiv(V, block))
     bins = 16 if B < 64 else 4
     persistent, split_r = fused.resolve_plan(B, split, SMS)
-    return {"B": B, "block": block, "block_c": min(block, 1024), "block_r": min(block, max(16, 4096 // bins)),
-            "split": split, "bins": bins, "cap": 1024, "nt": 8,
+    return {"B": B, "block": block, "block_c": min(block, 128 * COUNT_WARPS),
+            "block_r": min(block, max(16, 4096 // bins)), "split": split, "bins": bins, "cap": 1024, "nt": 8,
             "groups": fused.group_count(split, block), "tiles": fused.tiles_pay_off(B, split, SMS),
             "resolve_persistent": persistent, "resolve_split": split_r}  # fmt: skip
+
+
+def count_programs(p: dict) -> int:
+    """Launch 2b's grid: its items, at most 8 warps' worth of programs per SM."""
+    return min(SMS * (8 // COUNT_WARPS), p["B"] * p["split"])
 
 
 def kernels_at(p: dict) -> dict:
@@ -71,7 +77,7 @@ def kernels_at(p: dict) -> dict:
     tiles = {"N_TILES": next_power_of_2(cdiv(V, tile)), "NS": fused.TILES_PER_LOAD}
     gather = {"R": 1, "BLOCK": p["block_c"], "CAP": p["cap"], "LOG_CAP": 10, "NT": p["nt"], "LOG_NT": 3,
               "SPLIT": next_power_of_2(p["split"]), "PDL": True, "G": p["groups"],
-              "ITEMS": next_power_of_2(cdiv(p["B"] * p["split"], min(SMS, p["B"] * p["split"])))}  # fmt: skip
+              "ITEMS": next_power_of_2(cdiv(p["B"] * p["split"], count_programs(p)))}  # fmt: skip
     from_tiles = {"R": 1, "CAP": p["cap"], "LOG_CAP": 10, "SPLIT": next_power_of_2(p["split"]), "PDL": True, **g,
                   **tiles}  # fmt: skip
     resolve = {"R": 1, "BLOCK": p["block"], "BLOCK_R": p["block_r"], "NB": p["bins"], "CAP": p["cap"],
@@ -86,7 +92,7 @@ def kernels_at(p: dict) -> dict:
             programs,
         ),
         "tiles": (fused._tiles_kernel, from_tiles, p["B"]),  # launched only where p["tiles"]
-        "gather_count": (fused._gather_count_kernel, gather, min(SMS, programs)),
+        "gather_count": (fused._gather_count_kernel, gather, count_programs(p)),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
     }
@@ -117,7 +123,7 @@ def main():
         for B in (1, 256):
             p = launch_params(B)
             for name, (kernel, constexprs, programs) in kernels_at(p).items():
-                warps = TILE_WARPS if name == "tiles" else NUM_WARPS
+                warps = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(name, NUM_WARPS)
                 r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), warps, 1), Path(tmp))
                 sass = (Path(tmp) / f"{name}_B{B}.sass").read_text()
                 fill = occupancy(r["registers"], r["shared_bytes"], warps, programs)

@@ -961,6 +961,27 @@ def test_list_from_tiles_holds_every_logit_at_or_above_its_threshold(V, block, s
     assert keep[torch.arange(B), out].all()
 
 
+def test_list_appends_stop_once_the_list_overflows():
+    # top-p 0.95 on flat rows: the speculative threshold passes almost every token, far more than the list's CAP
+    # slots. Each (row, chunk) program stops appending after the block in which its slot reached CAP, so the row's
+    # appends (S_LISTED) stay within CAP + split * block; appending every token (4,096 a row here, 247k at V =
+    # 248,320) contended for one counter: 33 ms at B = 256 on the H200. The rows still end right, in the rounds.
+    g = torch.Generator().manual_seed(11)
+    B, V, block, split, cap = 3, 4096, 64, 4, 16
+    logits = torch.randn(B, V, generator=g)
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    ones, zeros = torch.ones(B), torch.zeros(B)
+    top_p = torch.full((B,), 0.95)
+    out = fused.launch(logits, ones, zeros.long(), top_p, zeros, zeros.long(), torch.arange(B), block=block,
+                       split=split, cap=cap, state=state)  # fmt: skip
+    listed = state[:, fused.S_LISTED.value]
+    assert (listed > cap).all() and (listed <= cap + split * block).all(), listed
+    assert (state[:, fused.S_PATH.value] != fused.PATH_LIST.value).all()
+    probs = torch.softmax(logits.double(), -1)
+    keep = naive.filter_probs(probs, torch.zeros(B, dtype=torch.long), top_p.double(), torch.zeros(B).double())
+    assert keep[torch.arange(B), out].all()
+
+
 @pytest.mark.parametrize(
     "B, split, sms, tiles",
     [
