@@ -1218,8 +1218,9 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
         split = min(SPLIT_MAX, cdiv(2048, B), cdiv(V, block))  # least a block (one row per program on the GPU)
     split = 1 if split is None else split
     assert 1 <= split <= SPLIT_MAX
+    sms = _sm_count(logits.device) if logits.is_cuda else 0  # 0: the CPU interpreter
     if tiles is None:
-        tiles = tiles_pay_off(B, split, _sm_count(logits.device) if logits.is_cuda else 0)
+        tiles = tiles_pay_off(B, split, sms)
     n_groups = group_count(split, block)
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks (the radix rounds: block_r)
     tile_len = min(TILE_TOKENS, block_c)  # a block holds whole tiles
@@ -1272,7 +1273,6 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     items = blocks * split
     # 8 warps' worth of programs per SM (what its registers allow); the interpreter runs 2 items a program (the
     # item loop is tested there)
-    sms = _sm_count(device) if logits.is_cuda else 0
     item_programs = min(items, sms * (8 // count_warps)) if logits.is_cuda else cdiv(items, 2)
     _gather_count_kernel[(item_programs,)](
         logits, logits.stride(0), B, V, *params, part_f, part_i, int(tiles), search_f, search_i, buf_val, buf_idx,
