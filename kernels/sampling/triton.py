@@ -139,13 +139,11 @@ def _key_value(key):
 
 
 # the row's counters (int32 [N_COUNTERS + 2 * steps + 1, B]), zeroed by the stats launch: arrivals and list fill of
-# launch 2 and of the regather, the race's arrivals, the round decisions made, the rows launch 2 left open (entry 0),
-# then the arrivals of each step of launch 3; for launch 3 as one grid (GRID): its barrier's arrivals (entry 0), then
-# per step the programs that worked (entry 0)
-C_COUNT_ARRIVED, C_COUNT_LIST, C_REGATHER_ARRIVED, C_REGATHER_LIST, C_RACE_ARRIVED, C_DECIDED, C_OPEN = (
-    tl.constexpr(i) for i in range(7)
-)
-N_COUNTERS = tl.constexpr(7)
+# launch 2, list fill of launch 3's gathers, the race's arrivals, the decisions made (one per round or gather), the
+# rows launch 2 left open (entry 0), then the arrivals of each step of launch 3; for launch 3 as one grid (GRID): its
+# barrier's arrivals (entry 0), then per step the programs that worked (entry 0)
+C_COUNT_ARRIVED, C_COUNT_LIST, C_GATHER_LIST, C_RACE_ARRIVED, C_DECIDED, C_OPEN = (tl.constexpr(i) for i in range(6))
+N_COUNTERS = tl.constexpr(6)
 N_STATS_F = tl.constexpr(5)  # per chunk: max, sum of p relative to it, smallest finite logit, sum x, sum x^2
 N_STATS_I = tl.constexpr(3)  # per chunk: first argmax, finite count, NaN flag
 
@@ -437,8 +435,9 @@ def _sort_descending(keys, R: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr
 
 
 @triton.jit
-def _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
-                        mp_on, seed, step, CAP: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):  # fmt: skip
+def _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target,
+                        n_above, mass_above, race_above, idx_above, seed, step, CAP: tl.constexpr, N: tl.constexpr,
+                        LOG_N: tl.constexpr):  # fmt: skip
     """_finish_from_list on the first N slots of the rows' lists of CAP slots (N >= every fin row's n_buf)."""
     slot = tl.arange(0, N)
     valid = fin[:, None] & (slot[None, :] < n_buf[:, None])
@@ -449,48 +448,73 @@ def _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total,
     srt = _sort_descending(keys, rows.shape[0], N, LOG_N)  # the list's n_buf keys first
     listed = valid & (srt > KEY_MIN)
     p_srt = tl.where(listed, tl.exp2((_key_value(srt) - m[:, None]) * c[:, None]), 0.0)
-    kth = (tl.minimum(tl.maximum(top_k, 1), n_buf) - 1).to(tl.int32)
+    kth = (tl.minimum(tl.maximum(top_k - n_above, 1), n_buf) - 1).to(tl.int32)  # n_above < k <= n_above + n_buf
     key_k = tl.where(k_on, tl.sum(tl.where(slot[None, :] == kth[:, None], srt, 0), 1), KEY_MIN)
     in_k = listed & (srt >= key_k[:, None])
     p_k = tl.where(in_k, p_srt, 0.0)
-    z = tl.where(k_on, tl.sum(p_k, 1), total)
-    before = tl.cumsum(p_k, 1) - p_k  # mass strictly before each sorted position
-    n_p = tl.maximum(tl.sum((in_k & (before < (top_p * z)[:, None])).to(tl.int32), 1), 1)
+    target = tl.where(target < 0, top_p * (mass_above + tl.sum(p_k, 1)), target)  # top_p times the top-k set's mass
+    before = mass_above[:, None] + tl.cumsum(p_k, 1) - p_k  # mass strictly before each sorted position
+    n_p = tl.sum((in_k & (before < target[:, None])).to(tl.int32), 1)
+    deferred = p_on & k_on & (n_above > 0) & (n_p == 0)  # the mass above the list reaches the target already
+    n_p = tl.maximum(n_p, 1)
     key_p = tl.sum(tl.where(slot[None, :] == (n_p - 1)[:, None], srt, 0), 1)
     cut = tl.where(p_on, tl.maximum(key_p, key_k), key_k)
     keep = valid & (keys >= cut[:, None])
     keep &= tl.exp2((vals - m[:, None]) * c[:, None]) >= min_p[:, None]  # min_p 0 when off
     race = tl.where(keep, _race_key(vals, m[:, None], c[:, None], seed[:, None], step[:, None], idx), float("-inf"))
-    best = tl.max(race, 1)
-    return tl.min(tl.where(keep & (race == best[:, None]), idx, 2**31 - 1), 1).to(tl.int64)
+    best = tl.maximum(tl.max(race, 1), race_above)
+    token = tl.min(tl.where(keep & (race == best[:, None]), idx, 2**31 - 1), 1)
+    token = tl.minimum(token, tl.where(race_above == best, idx_above, 2**31 - 1))
+    return token.to(tl.int64), cut, key_k, deferred, target
 
 
 @triton.jit
-def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on,
-                      mp_on, seed, step, CAP: tl.constexpr, LOG_CAP: tl.constexpr):  # fmt: skip
-    """The exact cuts and the draw for rows `fin`, whose list holds n_buf <= CAP tokens including every token at or
-    above the cut. Sorts the keys of the lists' filled prefix in registers (descending): the first CAP / 4, CAP / 2
-    or CAP slots, the fewest that hold every fin row's n_buf (the speculative gather aims at max(2k, CAP / 4)
-    tokens: most lists fill a quarter or a half). top-k's cut is the k-th key; top-p's is the key at the last
-    sorted position whose mass before it is < top_p * z (z: the top-k set's mass, else the row's); every token at
-    or above both cuts with p >= min_p races; the largest race key wins, lowest token id on ties.
-    The slots past the prefix are empty (KEY_MIN, never kept), so no comparison changes with it; only top-p's fp32
-    sums (z, the cumulative mass) may round otherwise on the GPU, whose order of additions follows the tensor's
-    layout. -> int64 tokens [R]."""
+def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target,
+                      n_above, mass_above, race_above, idx_above, seed, step, CAP: tl.constexpr,
+                      LOG_CAP: tl.constexpr):  # fmt: skip
+    """The exact cuts and the draw for rows `fin`, whose list holds n_buf <= CAP tokens: every token of a bracket of
+    keys that holds the cuts to find, n_above tokens above it (mass mass_above; the best race key among those with
+    p >= min_p, race_above, at token idx_above). Launch 2's lists hold every token at or above a threshold (n_above
+    0). Sorts the keys of the lists' filled prefix in registers (descending): the first CAP / 4, CAP / 2 or CAP
+    slots, the fewest that hold every fin row's n_buf (the speculative gather aims at max(2k, CAP / 4) tokens: most
+    lists fill a quarter or a half). k_on: top-k's cut is the (k - n_above)-th key; top-p's (p_on) is the key at the
+    last sorted position whose mass before it (mass_above included) is < target (target < 0: top_p times the top-k
+    set's mass, z); every token at or above both cuts with p >= min_p races; the largest race key wins, lowest
+    token id on ties. The slots past the prefix are empty (KEY_MIN, never kept), so no comparison changes with it;
+    only top-p's fp32 sums (z, the cumulative mass) may round otherwise on the GPU, whose order of additions follows
+    the tensor's layout. -> (int64 tokens [R], the cut: int32 key, top-k's cut, deferred: rows with top-k on and
+    tokens above the list whose top-p cut lies above it (their token is not drawn), the top-p target)."""
     n_most = tl.max(tl.where(fin, n_buf, 0))  # the fullest list among the rows that finish here
     if CAP < 32:  # a quarter would hold < 8 slots: nothing to save, and numpy (the interpreter's tl.sum) adds < 8
         # values in another order than 8 or more, so there the prefix would change top-p's sums
-        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
-                                    k_on, p_on, mp_on, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
+        token, cut, key_k, deferred, target = _finish_from_prefix(
+            buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target, n_above,
+            mass_above, race_above, idx_above, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
     elif n_most <= CAP // 4:
-        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
-                                    k_on, p_on, mp_on, seed, step, CAP, CAP // 4, LOG_CAP - 2)  # fmt: skip
+        token, cut, key_k, deferred, target = _finish_from_prefix(
+            buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target, n_above,
+            mass_above, race_above, idx_above, seed, step, CAP, CAP // 4, LOG_CAP - 2)  # fmt: skip
     elif n_most <= CAP // 2:
-        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
-                                    k_on, p_on, mp_on, seed, step, CAP, CAP // 2, LOG_CAP - 1)  # fmt: skip
+        token, cut, key_k, deferred, target = _finish_from_prefix(
+            buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target, n_above,
+            mass_above, race_above, idx_above, seed, step, CAP, CAP // 2, LOG_CAP - 1)  # fmt: skip
     else:
-        token = _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p,
-                                    k_on, p_on, mp_on, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
+        token, cut, key_k, deferred, target = _finish_from_prefix(
+            buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on, target, n_above,
+            mass_above, race_above, idx_above, seed, step, CAP, CAP, LOG_CAP)  # fmt: skip
+    return token, cut, key_k, deferred, target
+
+
+@triton.jit
+def _finish_launch2(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, total, top_k, top_p, min_p, k_on, p_on, seed,
+                    step, CAP: tl.constexpr, LOG_CAP: tl.constexpr):  # fmt: skip
+    """_finish_from_list for launch 2's lists (every token at or above a threshold: nothing above them) -> tokens."""
+    none = tl.zeros_like(n_buf)
+    token, _, _, _, _ = _finish_from_list(
+        buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, top_p, min_p, k_on, p_on,
+        tl.where(k_on, -1.0, top_p * total), none, none.to(tl.float32), none.to(tl.float32) + float("-inf"),
+        none + (2**31 - 1), seed, step, CAP, LOG_CAP,
+    )  # fmt: skip
     return token
 
 
@@ -500,31 +524,34 @@ PHASE_NONE = tl.constexpr(0)  # the row is finished (or never needed more than l
 PHASE_TOP_K = tl.constexpr(1)  # rounds narrow [lo, hi] to the k-th largest key
 PHASE_TOP_P = tl.constexpr(2)  # rounds narrow [lo, hi] to the top-p cut within the top-k set
 PHASE_RACE = tl.constexpr(3)  # the cut is known: the race draws the token (then PHASE_NONE)
-PHASE_REGATHER = tl.constexpr(4)  # launch 3 regathers x >= F_S and finishes the row
+PHASE_GATHER = tl.constexpr(4)  # launch 3 lists the bracket [lo, hi] (<= CAP keys), races above it, finishes
 # int64 columns: phase, bracket, cut (the kept keys are >= it), k (0: off), key of the max, rounds run per phase,
 # the path the row took (PATH_*: which launch finishes it; tests and the benchmark read it), the key of launch 2's
-# list threshold and the number of x at or above it (the list holds the first CAP of them)
-S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH, S_SPEC, S_LISTED = (
-    tl.constexpr(i) for i in range(11)
+# list threshold and the number of x at or above it (the list holds the first CAP of them), the cut a gather
+# resolves (PHASE_TOP_K: top-k's, then top-p's if it lies in the list; PHASE_TOP_P: top-p's, top-k's being below)
+S_PHASE, S_LO, S_HI, S_CUT, S_K, S_TOP, S_ROUNDS_K, S_ROUNDS_P, S_PATH, S_SPEC, S_LISTED, S_FOR = (
+    tl.constexpr(i) for i in range(12)
 )
 PATH_STATS = tl.constexpr(0)  # greedy, NaN, all -inf or +inf rows: the stats' answer
 PATH_LIST = tl.constexpr(2)  # the speculative gather held the cut: finished by launch 2
-PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a regather at a counted threshold
+PATH_REGATHER = tl.constexpr(3)  # finished by launch 3 from a gather between launch 2's counted thresholds
 PATH_RADIX = tl.constexpr(4)  # the radix rounds found the cut, the race drew
 PATH_RACE = tl.constexpr(5)  # no cut to find (no filter, or min-p alone over more than CAP tokens): the race
-# fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: set by the first top-p round), min_p
-# (0: off), the regather threshold, the row's sum of p
-F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P, F_S, F_TOTAL = (tl.constexpr(i) for i in range(7))
-N_STATE = tl.constexpr(11)
+# fp32 columns: max, log2(e) / T, top_p (1: off), top-p target mass (< 0: top_p times the top-k set's mass, set by
+# the first top-p round or found by a top-k gather), min_p (0: off)
+F_M, F_C, F_TOP_P, F_TARGET, F_MIN_P = (tl.constexpr(i) for i in range(5))
+N_STATE = tl.constexpr(12)
 
 
 @triton.jit
-def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec,
-                   top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP: tl.constexpr,
+def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, n_finite,
+                   spec, top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP: tl.constexpr,
                    NT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """The partials of launch 2 summed in chunk order by the row's last program -> (list size, rows whose list
-    holds the cut, rows to regather and the threshold, rows for the radix rounds and their bracket [lo, hi] of
-    keys)."""
+    holds the cut, rows to gather in launch 3, rows for the radix rounds, their bracket [lo, hi] of keys). A row
+    gathers where the highest threshold at or below the cut has <= CAP tokens above it (the bracket [t_j, max]:
+    the whole kept set), else where <= CAP tokens lie between the two thresholds around the cut (top-k or top-p:
+    the tokens above the bracket race in the same pass)."""
     SW: tl.constexpr = NT + 1
     sp = tl.arange(0, SPLIT)
     j = tl.arange(0, NT)
@@ -554,15 +581,21 @@ def _count_outcome(search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split
     usable = below_cut & (cnt <= CAP)
     s = tl.max(tl.where(usable, thr, float("-inf")), 1)  # the highest usable threshold: the fewest tokens
     regather = last & filtered & ~listed & (s > float("-inf"))
-    radix = last & filtered & ~listed & ~regather
-    # the radix bracket: between the highest threshold at or below the cut and the lowest one above it
+    # the bracket: between the highest threshold at or below the cut and the lowest one above it (counts increase
+    # with j: at_or_below holds from some j on)
     at_or_below = tl.where(k_on[:, None], cnt >= top_k[:, None], mass >= (top_p * total)[:, None])
     lo_x = tl.maximum(tl.max(tl.where(at_or_below, thr, float("-inf")), 1), x_min)
     hi_x = tl.min(tl.where(at_or_below, float("inf"), thr), 1)
+    n_lo = tl.min(tl.where(at_or_below, cnt, n_finite.to(tl.int32)[:, None]), 1)  # tokens >= lo_x
+    n_hi = tl.max(tl.where(at_or_below, 0, cnt), 1)  # tokens >= hi_x
+    top = _ordered_key(m).to(tl.int64)
     lo = _ordered_key(lo_x + 0.0).to(tl.int64)
-    hi = tl.where(hi_x < float("inf"), _ordered_key(hi_x + 0.0).to(tl.int64) - 1, _ordered_key(m).to(tl.int64))
-    hi = tl.maximum(hi, lo)
-    return n_list, listed, regather, s, radix, lo, hi
+    hi = tl.maximum(tl.where(hi_x < float("inf"), _ordered_key(hi_x + 0.0).to(tl.int64) - 1, top), lo)
+    bracket = last & filtered & ~listed & ~regather & (k_on | p_on) & (n_lo - n_hi <= CAP)
+    radix = last & filtered & ~listed & ~regather & ~bracket
+    lo = tl.where(regather, _ordered_key(s + 0.0).to(tl.int64), lo)
+    hi = tl.where(regather, top, hi)
+    return n_list, listed, regather | bracket, radix, lo, hi
 
 
 @triton.jit
@@ -580,14 +613,15 @@ def _gather_above(x, cols, msk, spec, appending, rows, list_ptr, buf_val_ptr, bu
 
 
 @triton.jit
-def _write_state(state_i_ptr, state_f_ptr, out_ptr, open_ptr, rows, last, token, listed, regather, radix, unfiltered,
-                 lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min):  # fmt: skip
+def _write_state(state_i_ptr, state_f_ptr, out_ptr, open_ptr, rows, last, token, listed, gather, radix, unfiltered,
+                 lo, hi, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total, x_min):  # fmt: skip
     """Launch 2's decision for rows `last` -> their state (phase, bracket, path, ...) and token (INVALID_TOKEN for
-    rows still open: a later launch writes it; one it misses stays invalid). Rows whose kept set may exceed CAP
-    (`radix`): the radix rounds find top-k's cut, then top-p's, over all the row's programs; min-p is closed form
-    (applied in the race), so min-p alone and rows without a filter (cut: the smallest key) go to the race."""
+    rows still open: a later launch writes it; one it misses stays invalid). `gather`: launch 3 lists the bracket
+    [lo, hi] and finishes. Rows whose bracket holds more than CAP tokens (`radix`): the radix rounds narrow it
+    (top-k's cut, then top-p's) over all the row's programs; min-p is closed form (applied in the race), so min-p
+    alone and rows without a filter (cut: the smallest key) go to the race."""
     phase = tl.where(radix, tl.where(k_on, PHASE_TOP_K, tl.where(p_on, PHASE_TOP_P, PHASE_RACE)), PHASE_NONE)
-    phase = tl.where(regather, PHASE_REGATHER, tl.where(unfiltered, PHASE_RACE, phase))
+    phase = tl.where(gather, PHASE_GATHER, tl.where(unfiltered, PHASE_RACE, phase))
     st = state_i_ptr + rows * N_STATE
     tl.store(st + S_PHASE, phase.to(tl.int64), mask=last)
     tl.store(st + S_LO, lo, mask=last)
@@ -597,21 +631,20 @@ def _write_state(state_i_ptr, state_f_ptr, out_ptr, open_ptr, rows, last, token,
     tl.store(st + S_TOP, _ordered_key(m).to(tl.int64), mask=last)
     tl.store(st + S_ROUNDS_K, tl.zeros_like(lo), mask=last)
     tl.store(st + S_ROUNDS_P, tl.zeros_like(lo), mask=last)
-    path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_REGATHER, PATH_REGATHER, PATH_RADIX))
+    path = tl.where(phase == PHASE_RACE, PATH_RACE, tl.where(phase == PHASE_GATHER, PATH_REGATHER, PATH_RADIX))
     path = tl.where(phase == PHASE_NONE, tl.where(listed, PATH_LIST, PATH_STATS), path)
     tl.store(st + S_PATH, path.to(tl.int64), mask=last)
     tl.store(st + S_SPEC, _ordered_key(spec + 0.0).to(tl.int64), mask=last)
     tl.store(st + S_LISTED, n_list.to(tl.int64), mask=last)
+    tl.store(st + S_FOR, tl.where(k_on, PHASE_TOP_K, PHASE_TOP_P).to(tl.int64), mask=last)
     sf = state_f_ptr + rows * N_STATE
     tl.store(sf + F_M, m, mask=last)
     tl.store(sf + F_C, c, mask=last)
     tl.store(sf + F_TOP_P, top_p, mask=last)
-    # top-p without top-k starts inside a narrowed bracket: its target is known; after top-k it is set by the
-    # first top-p round (top_p times the top-k set's mass)
+    # top-p without top-k: top_p times the row's mass; after top-k, top_p times the top-k set's mass, from the first
+    # top-p round or a top-k gather
     tl.store(sf + F_TARGET, tl.where(k_on, -1.0, top_p * total), mask=last)
     tl.store(sf + F_MIN_P, min_p, mask=last)
-    tl.store(sf + F_S, s, mask=last)
-    tl.store(sf + F_TOTAL, total, mask=last)
     tl.store(out_ptr + rows, tl.where(phase != PHASE_NONE, INVALID, token), mask=last)
     n_open = tl.sum((last & (phase != PHASE_NONE)).to(tl.int32))
     if n_open > 0:  # launch 3 as one grid leaves at once when no row is open
@@ -722,13 +755,13 @@ def _tiles_kernel(
         listed = active & (n_list <= CAP)
         radix = active & ~listed
         if tl.max(listed.to(tl.int32)) > 0:
-            drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
-                                      min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+            drawn = _finish_launch2(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p, min_p,
+                                    k_on, p_on, seed, step, CAP, LOG_CAP)  # fmt: skip
             token = tl.where(listed, drawn, token)
         _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, here, token, listed,
                      listed & False, radix, unfiltered & False, _ordered_key(s + 0.0).to(tl.int64),
-                     _ordered_key(m).to(tl.int64), tl.full((R,), float("-inf"), tl.float32), s, n_list, top_k, top_p,
-                     min_p, k_on, p_on, c, m, total, x_min)  # fmt: skip
+                     _ordered_key(m).to(tl.int64), s, n_list, top_k, top_p, min_p, k_on, p_on, c, m, total,
+                     x_min)  # fmt: skip
 
 
 @fast_launch
@@ -819,64 +852,115 @@ def _gather_count_item(
         arrived = tl.atomic_add(counter_ptr + C_COUNT_ARRIVED * B + rows, 1, mask=shared, sem="acq_rel", scope="gpu")
         last = shared & (arrived == split - 1)  # the row's last program to arrive decides for it
         if tl.max(last.to(tl.int32)) > 0:  # (the finish in this region: triton 3.6 fails to compile it after it)
-            n_list, listed, regather, s, radix, lo, hi = _count_outcome(
-                search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, spec, top_k,
-                top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
+            n_list, listed, gather, radix, lo, hi = _count_outcome(
+                search_i_ptr, search_f_ptr, counter_ptr, B, rows, last, split, thr, m, c, total, x_min, n_finite, spec,
+                top_k, top_p, min_p, k_on, p_on, mp_on, filtered, CAP, NT, SPLIT,
             )  # fmt: skip
             if tl.max(listed.to(tl.int32)) > 0:
-                drawn = _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
-                                          min_p, k_on, p_on, mp_on, seed, step, CAP, LOG_CAP)  # fmt: skip
+                drawn = _finish_launch2(buf_val_ptr, buf_idx_ptr, rows, listed, n_list, m, c, total, top_k, top_p,
+                                        min_p, k_on, p_on, seed, step, CAP, LOG_CAP)  # fmt: skip
                 token = tl.where(listed, drawn, token)
             _write_state(state_i_ptr, state_f_ptr, out_ptr, counter_ptr + C_OPEN * B, rows, last, token, listed,
-                         regather, radix, unfiltered, lo, hi, s, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m,
+                         gather, radix, unfiltered, lo, hi, spec, n_list, top_k, top_p, min_p, k_on, p_on, c, m,
                          total, x_min)  # fmt: skip
 
 
 @triton.jit
-def _regather_step(base, rows, busy, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
-                   buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   LOG_CAP: tl.constexpr):  # fmt: skip
-    """Rows `busy` (PHASE_REGATHER): every x >= s of this chunk into the row's list (s: the highest threshold of
-    launch 2 at or below the cut with <= CAP tokens above it); the row's last program to arrive finishes the row
-    from the list."""
-    s = tl.load(sf + F_S, mask=busy, other=float("inf"))
+def _gather_step(base, rows, busy, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
+                 buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, arrived_ptr,
+                 decided_ptr, counter_ptr, out_ptr, split, BLOCK: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                 LOG_CAP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Rows `busy` (PHASE_GATHER): their bracket [lo, hi] of keys holds the cut that S_FOR names and at most CAP
+    tokens. Every program appends its chunk's keys in the bracket to the row's list, and counts, weighs and races
+    (p >= min_p) its keys above hi -> partials (counts and masses in column NB of the rounds' partials, as a round's
+    keys above hi); the row's last program to arrive sums them in chunk order and finishes from the list
+    (_finish_from_list): the token, or, when a top-k gather finds top-p's cut above hi, the top-p phase over
+    [hi + 1, max] with the target top_p times the top-k set's mass. Counts the decision at decided_ptr."""
+    lo = tl.load(st + S_LO, mask=busy, other=0).to(tl.int32)
+    hi = tl.load(st + S_HI, mask=busy, other=-1).to(tl.int32)
+    m = tl.load(sf + F_M, mask=busy, other=0.0)
+    c = tl.load(sf + F_C, mask=busy, other=0.0)
+    min_p = tl.load(sf + F_MIN_P, mask=busy, other=0.0)
+    seed = tl.load(seed_ptr + rows * seed_stride, mask=busy, other=0).to(tl.int64)
+    step = tl.load(step_ptr + rows * step_stride, mask=busy, other=0).to(tl.int64)
+    n_above = tl.zeros((rows.shape[0], BLOCK), tl.int32)
+    mass_above = tl.zeros((rows.shape[0], BLOCK), tl.float32)
+    best = tl.full((rows.shape[0], BLOCK), float("-inf"), tl.float32)
+    best_idx = tl.zeros((rows.shape[0], BLOCK), tl.int32) + V
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     x_next = _load_block(base, start, end, busy, BLOCK)
     for off in range(start, end, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, end, busy, BLOCK)
-        _gather_block(x, cols[None, :], msk & (x >= s[:, None]), rows, counter_ptr + C_REGATHER_LIST * B, buf_val_ptr,
-                      buf_idx_ptr, CAP)  # fmt: skip
+        key = _ordered_key(x)
+        inside = msk & (key >= lo[:, None]) & (key <= hi[:, None])
+        if tl.max(tl.max(inside.to(tl.int32), 1), 0) > 0:  # most blocks hold no key of a bracket of <= CAP
+            _gather_block(x, cols[None, :], inside, rows, counter_ptr + C_GATHER_LIST * B, buf_val_ptr, buf_idx_ptr,
+                          CAP)  # fmt: skip
+        above = msk & (key > hi[:, None])
+        if tl.max(tl.max(above.to(tl.int32), 1), 0) > 0:
+            p = tl.exp2((x - m[:, None]) * c[:, None])
+            n_above += above.to(tl.int32)
+            mass_above += tl.where(above, p, 0.0)
+            race = _race_key(x, m[:, None], c[:, None], seed[:, None], step[:, None], cols)
+            race = tl.where(above & (p >= min_p[:, None]), race, float("-inf"))  # min_p 0 when off
+            up = race > best  # strict: a slot keeps its earliest index on ties
+            best_idx = tl.where(up, cols[None, :], best_idx)
+            best = tl.where(up, race, best)
+    chunk_best = tl.max(best, 1)
+    part = rows * split + chunk
+    tl.store(race_f_ptr + part, chunk_best, mask=busy)
+    tl.store(race_i_ptr + part, tl.min(tl.where(best == chunk_best[:, None], best_idx, V), 1), mask=busy)
+    tl.store(round_cnt_ptr + part * (NB + 1) + NB, tl.sum(n_above, 1), mask=busy)
+    tl.store(round_mass_ptr + part * (NB + 1) + NB, tl.sum(mass_above, 1), mask=busy)
     tl.debug_barrier()  # every thread's stores before the release below
-    arrived = tl.atomic_add(counter_ptr + C_REGATHER_ARRIVED * B + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(arrived_ptr + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
     last = busy & (arrived == split - 1)
     if tl.max(last.to(tl.int32)) > 0:
-        n_list = tl.load(counter_ptr + C_REGATHER_LIST * B + rows, mask=last, other=0, volatile=True)
+        sp = tl.arange(0, SPLIT)
+        pm = last[:, None] & (sp < split)[None, :]
+        parts = rows[:, None] * split + sp[None, :]  # [R, SPLIT], summed in chunk order
+        bests = tl.load(race_f_ptr + parts, mask=pm, other=float("-inf"), volatile=True)
+        ids = tl.load(race_i_ptr + parts, mask=pm, other=2**31 - 1, volatile=True)
+        n_above = tl.load(round_cnt_ptr + parts * (NB + 1) + NB, mask=pm, other=0, volatile=True)
+        mass_above = tl.load(round_mass_ptr + parts * (NB + 1) + NB, mask=pm, other=0.0, volatile=True)
+        n_list = tl.load(counter_ptr + C_GATHER_LIST * B + rows, mask=last, other=0, volatile=True)
         top_k = tl.load(st + S_K, mask=last, other=0)
+        resolves = tl.load(st + S_FOR, mask=last, other=0)
+        top = tl.load(st + S_TOP, mask=last, other=0)
         top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
-        min_p = tl.load(sf + F_MIN_P, mask=last, other=0.0)
-        seed = tl.load(seed_ptr + rows * seed_stride, mask=last, other=0).to(tl.int64)
-        step = tl.load(step_ptr + rows * step_stride, mask=last, other=0).to(tl.int64)
-        token = _finish_from_list(
-            buf_val_ptr, buf_idx_ptr, rows, last & (n_list <= CAP), n_list,
-            tl.load(sf + F_M, mask=last, other=0.0), tl.load(sf + F_C, mask=last, other=0.0),
-            tl.load(sf + F_TOTAL, mask=last, other=0.0), top_k, top_p, min_p, top_k > 0, top_p < 1.0,
-            min_p > 0.0, seed, step, CAP, LOG_CAP,
+        target = tl.load(sf + F_TARGET, mask=last, other=0.0)
+        n_above = tl.sum(n_above, 1).to(tl.int64)
+        race_above = tl.max(bests, 1)
+        fin = last & (n_list <= CAP)  # always, by the decision that sent the row here
+        token, cut, key_k, deferred, target = _finish_from_list(
+            buf_val_ptr, buf_idx_ptr, rows, fin, n_list, m, c, top_k, top_p, min_p,
+            (resolves == PHASE_TOP_K) & (top_k > 0), top_p < 1.0, target, n_above, tl.sum(mass_above, 1), race_above,
+            tl.min(tl.where(bests == race_above[:, None], ids, 2**31 - 1), 1), seed, step, CAP, LOG_CAP,
         )  # fmt: skip
-        tl.store(out_ptr + rows, tl.where(n_list <= CAP, token, INVALID), mask=last)
-        tl.store(st + S_PHASE, tl.zeros_like(rows).to(tl.int64) + PHASE_NONE, mask=last)
+        deferred &= fin
+        tl.store(out_ptr + rows, tl.where(fin, token, INVALID), mask=last & ~deferred)
+        tl.store(st + S_PHASE, tl.where(deferred, PHASE_TOP_P, PHASE_NONE).to(tl.int64), mask=last)
+        tl.store(st + S_CUT, tl.where(deferred, key_k, cut).to(tl.int64), mask=last)
+        tl.store(st + S_LO, hi.to(tl.int64) + 1, mask=deferred)  # n_above > 0: hi < max
+        tl.store(st + S_HI, top, mask=deferred)
+        tl.store(sf + F_TARGET, target, mask=deferred)
+        tl.store(counter_ptr + C_GATHER_LIST * B + rows, tl.zeros_like(rows), mask=deferred)  # the next gather's
+        tl.debug_barrier()  # the decision's stores before its release
+        tl.atomic_add(decided_ptr + rows, 1, mask=last, sem="release", scope="gpu")
 
 
 @triton.jit
 def _round_step(base, rows, busy, phase, chunk, chunk_blocks, V, st, sf, round_cnt_ptr, round_mass_ptr,
-                arrived_ptr, decided_ptr, split, BLOCK: tl.constexpr, NB: tl.constexpr,
+                arrived_ptr, decided_ptr, split, BLOCK: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
                 SPLIT: tl.constexpr):  # fmt: skip
     """One round of the radix selection for rows `busy` (a top-k or top-p phase). The row's bracket [lo, hi] of
     order-preserving int32 keys holds the cut (the largest key t with count(key >= t) >= k, or mass(key >= t) >=
     target); NB thresholds t_j = lo + j * (hi - lo + 1) // NB split it. Every program counts (top-k) or weighs
-    (top-p) key >= t_j over its chunk -> partials [B, split, NB]; the row's last program to arrive sums them in
-    chunk order, narrows the bracket to [t_j, t_{j+1} - 1] of the largest t_j that passes (width w -> ceil(w /
-    NB): a phase ends, lo == hi, within ceil(32 / log2(NB)) rounds) and counts the decision at decided_ptr (the
-    other programs wait for it before their next step). A top-p phase after top-k starts with lo at top-k's cut:
+    (top-p) key >= t_j over its chunk, and counts key > hi -> partials [B, split, NB + 1]; the row's last program
+    to arrive sums them in chunk order, narrows the bracket to [t_j, t_{j+1} - 1] of the largest t_j that passes
+    (width w -> ceil(w / NB): a phase ends, lo == hi, within ceil(32 / log2(NB)) rounds; a bracket of <= CAP
+    tokens ends it earlier, in a gather, _gather_step) and counts the decision at decided_ptr (the other programs
+    wait for it before their next step). A top-p phase after top-k starts with lo at top-k's cut:
     its first round's mass at t_0 = lo is the mass of the top-k set, and its target is top_p times that (the same
     sums as every later round's); top-p alone starts in the bracket launch 2 found, with the target top_p times
     the row's sum of p."""
@@ -913,32 +997,43 @@ def _round_step(base, rows, busy, phase, chunk, chunk_blocks, V, st, sf, round_c
             cnt_slots += (key[:, :, None] >= thr32[:, None, :]).to(tl.int32)  # [R, BLOCK, NB]
     cnt = tl.sum(cnt_slots, 1) + tl.sum(cnt_above, 1)[:, None]  # [R, NB]
     mass = tl.sum(mass_slots, 1) + tl.sum(mass_above, 1)[:, None]
-    part = (rows[:, None] * split + chunk) * NB + j[None, :]
-    tl.store(round_cnt_ptr + part, cnt, mask=busy[:, None])
-    tl.store(round_mass_ptr + part, mass, mask=busy[:, None])
+    part = (rows * split + chunk) * (NB + 1)
+    tl.store(round_cnt_ptr + part[:, None] + j[None, :], cnt, mask=busy[:, None])
+    tl.store(round_mass_ptr + part[:, None] + j[None, :], mass, mask=busy[:, None])
+    tl.store(round_cnt_ptr + part + NB, tl.sum(cnt_above, 1), mask=busy)
     tl.debug_barrier()  # every thread's stores before the release below
     arrived = tl.atomic_add(arrived_ptr + rows, 1, mask=busy, sem="acq_rel", scope="gpu")
     last = busy & (arrived == split - 1)
     if tl.max(last.to(tl.int32)) > 0:
         sp = tl.arange(0, SPLIT)
-        pm = last[:, None, None] & (sp < split)[None, :, None] & (j >= 0)[None, None, :]
-        parts = (rows[:, None, None] * split + sp[None, :, None]) * NB + j[None, None, :]  # [R, SPLIT, NB]
-        cnt = tl.sum(tl.load(round_cnt_ptr + parts, mask=pm, other=0, volatile=True), 1)  # chunk order
-        mass = tl.sum(tl.load(round_mass_ptr + parts, mask=pm, other=0.0, volatile=True), 1)
+        pm = last[:, None] & (sp < split)[None, :]
+        parts = (rows[:, None] * split + sp[None, :]) * (NB + 1)  # [R, SPLIT]
+        pm3 = pm[:, :, None] & (j >= 0)[None, None, :]
+        cnt = tl.sum(tl.load(round_cnt_ptr + parts[:, :, None] + j[None, None, :], mask=pm3, other=0, volatile=True),
+                     1)  # [R, NB], chunk order  # fmt: skip
+        mass = tl.sum(tl.load(round_mass_ptr + parts[:, :, None] + j[None, None, :], mask=pm3, other=0.0,
+                              volatile=True), 1)  # fmt: skip
+        n_top = tl.sum(tl.load(round_cnt_ptr + parts + NB, mask=pm, other=0, volatile=True), 1)  # keys > hi
         in_k = phase == PHASE_TOP_K
         k = tl.load(st + S_K, mask=last, other=0)
         top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
         target = tl.load(sf + F_TARGET, mask=last, other=0.0)
-        target = tl.where(target < 0, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
+        # a top-p phase's first round after top-k: the mass at t_0 = lo (top-k's cut) is the top-k set's
+        target = tl.where((target < 0) & ~in_k, top_p * tl.sum(tl.where(j[None, :] == 0, mass, 0.0), 1), target)
         ok = tl.where(in_k[:, None], cnt.to(tl.int64) >= k[:, None], mass >= target[:, None])  # true, then false
         j_cut = tl.maximum(tl.sum(ok.to(tl.int32), 1) - 1, 0)
         new_lo = tl.sum(tl.where(j[None, :] == j_cut[:, None], thr, 0), 1)
         next_thr = tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, thr, 0), 1)
         new_hi = tl.maximum(tl.where(j_cut + 1 < NB, next_thr - 1, hi), new_lo)
+        n_in = tl.sum(tl.where(j[None, :] == j_cut[:, None], cnt, 0), 1) - tl.where(
+            j_cut + 1 < NB, tl.sum(tl.where(j[None, :] == j_cut[:, None] + 1, cnt, 0), 1), n_top
+        )  # tokens in the new bracket
         done = new_hi == new_lo
+        gather = ~done & (n_in <= CAP)  # the list holds the bracket: one pass finishes the phase
         to_p = in_k & done & (top_p < 1.0)  # top-k done: top-p next, over the top-k set, else the race
-        next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), phase)
+        next_phase = tl.where(done, tl.where(to_p, PHASE_TOP_P, PHASE_RACE), tl.where(gather, PHASE_GATHER, phase))
         tl.store(st + S_PHASE, next_phase, mask=last)
+        tl.store(st + S_FOR, phase, mask=last & gather)
         tl.store(st + S_LO, new_lo, mask=last)
         tl.store(st + S_HI, tl.where(to_p, tl.load(st + S_TOP, mask=last, other=0), new_hi), mask=last)
         tl.store(st + S_CUT, new_lo, mask=last)
@@ -1016,21 +1111,24 @@ def _resolve_step(base, rows, phase, s, chunk, chunk_blocks, V, B, seed_ptr, see
                   sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr, counter_ptr,
                   out_ptr, split, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
                   LOG_CAP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """Step s of launch 3 for rows in `phase`: the pass each open row's phase asks for -> the rows in the rounds."""
-    regather = phase == PHASE_REGATHER
-    if tl.max(regather.to(tl.int32)) > 0:
-        _regather_step(base, rows, regather, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride,
-                       st, sf, buf_val_ptr, buf_idx_ptr, counter_ptr, out_ptr, split, BLOCK, CAP, LOG_CAP)  # fmt: skip
+    """Step s of launch 3 for rows in `phase`: the pass each open row's phase asks for -> the rows whose step ends in
+    a decision (a round or a gather: they may go on)."""
+    gathering = phase == PHASE_GATHER
+    if tl.max(gathering.to(tl.int32)) > 0:
+        _gather_step(base, rows, gathering, chunk, chunk_blocks, V, B, seed_ptr, seed_stride, step_ptr, step_stride,
+                     st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr, race_f_ptr, race_i_ptr,
+                     counter_ptr + (N_COUNTERS + s) * B, counter_ptr + C_DECIDED * B, counter_ptr, out_ptr, split,
+                     BLOCK, NB, CAP, LOG_CAP, SPLIT)  # fmt: skip
     rounds = (phase == PHASE_TOP_K) | (phase == PHASE_TOP_P)
     if tl.max(rounds.to(tl.int32)) > 0:
         _round_step(base, rows, rounds, phase, chunk, chunk_blocks * (BLOCK // BLOCK_R), V, st, sf, round_cnt_ptr,
                     round_mass_ptr, counter_ptr + (N_COUNTERS + s) * B, counter_ptr + C_DECIDED * B, split, BLOCK_R,
-                    NB, SPLIT)  # fmt: skip
+                    NB, CAP, SPLIT)  # fmt: skip
     racing = phase == PHASE_RACE
     if tl.max(racing.to(tl.int32)) > 0:
         _race_step(base, rows, racing, chunk, chunk_blocks, V, seed_ptr, seed_stride, step_ptr, step_stride, st, sf,
                    race_f_ptr, race_i_ptr, counter_ptr + C_RACE_ARRIVED * B, out_ptr, split, BLOCK, SPLIT)  # fmt: skip
-    return rounds
+    return rounds | gathering
 
 
 @fast_launch
@@ -1071,9 +1169,9 @@ def _resolve_kernel(
                                        step_stride, st, sf, buf_val_ptr, buf_idx_ptr, round_cnt_ptr, round_mass_ptr,
                                        race_f_ptr, race_i_ptr, counter_ptr, out_ptr, split, BLOCK, BLOCK_R, NB, CAP,
                                        LOG_CAP, SPLIT)  # fmt: skip
-                # a row in the rounds since step 0 has had s + 1 decisions once this round's is made
+                # a row in the rounds or a gather since step 0 has had s + 1 decisions once this step's is made
                 rounds = _await_counts(counter_ptr + C_DECIDED * B + rows, rounds, s + 1)
-                # a regathered or raced row is finished; a row in the rounds goes on in the phase its decision set
+                # a raced row is finished; a row in the rounds or a gather goes on in the phase its decision set
                 phase = tl.where(rounds, tl.load(st + S_PHASE, mask=rounds, other=0, volatile=True), PHASE_NONE)
                 s += 1
         elif tl.max((phase != PHASE_NONE).to(tl.int32)) > 0:  # one step, without the loop: 124 registers at 4 bins
@@ -1245,8 +1343,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     if state is None:
         state = torch.empty(B, N_STATE.value, dtype=torch.int64, device=device)
     state_f = torch.empty(B, N_STATE.value, dtype=torch.float32, device=device)
-    round_cnt = torch.empty(B, split, bins, dtype=torch.int32, device=device)
-    round_mass = torch.empty(B, split, bins, dtype=torch.float32, device=device)
+    round_cnt = torch.empty(B, split, bins + 1, dtype=torch.int32, device=device)  # + keys above the bracket
+    round_mass = torch.empty(B, split, bins + 1, dtype=torch.float32, device=device)
     race_f = torch.empty(B, split, dtype=torch.float32, device=device)
     race_i = torch.empty(B, split, dtype=torch.int32, device=device)
     steps = rounds + 1  # the rounds, then the race

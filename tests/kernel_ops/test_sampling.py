@@ -471,6 +471,22 @@ def test_radix_rounds_give_the_reference_kept_set(shape, dtype):
     assert n_radix >= 3  # the test reaches the rounds on every shape
 
 
+def top_k_rounds(keys: torch.Tensor, k: int, bins: int, cap: int) -> tuple[int, str]:
+    """The radix schedule of _round_step for top-k from the bracket [min key, max key], in Python -> (rounds, how
+    the phase ends: "one key" or "gather", a bracket of <= cap tokens)."""
+    lo, hi, rounds = int(keys.min()), int(keys.max()), 0
+    while True:
+        rounds += 1
+        thr = [lo + (hi - lo + 1) * j // bins for j in range(bins)] + [hi + 1]
+        cnt = [int((keys >= t).sum()) for t in thr]
+        j = max([i for i in range(bins) if cnt[i] >= k], default=0)
+        lo, hi = thr[j], max(thr[j + 1] - 1, thr[j])
+        if lo == hi:
+            return rounds, "one key"
+        if cnt[j] - cnt[j + 1] <= cap:
+            return rounds, "gather"
+
+
 @pytest.mark.parametrize("bins", [16, 4])
 def test_radix_rounds_never_exceed_the_bound(bins):
     # worst shapes for the rounds: the keys span the whole int32 range (x_min = -3e38, max = +3e38) and the cut
@@ -486,25 +502,30 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     got = run_with_state(logits, temperature, modes, cap=4, block=32, split=3, bins=bins, tiles=False)
     out, state, rows = got[:3]
     check_radix_rows(*got, bins=bins, exact=False)
-    # the exact number of rounds: a bracket of w keys shrinks to ceil(w / bins) per round
+    # the exact number of top-k rounds, from the whole key range: a bracket of w keys shrinks to ceil(w / bins) a
+    # round, until it is one key or holds <= cap tokens (then a gather lists it)
     keys = ordered_keys(rows)
     bound = fused.rounds_per_phase(bins)
-
-    def rounds(width):
-        return max(1, math.ceil(math.log(width, bins) - 1e-12))
-
     top_k = torch.tensor([m[0] for m in modes] * B)
     for r in range(len(rows)):
         if top_k[r] > 0:
-            width = keys[r].max() - keys[r].min() + 1
-            assert state[r, fused.S_ROUNDS_K.value] == rounds(width.item()), r
-    assert state[:, fused.S_ROUNDS_K.value].max() == bound  # the worst row needs every round of the bound
-    # one round fewer than the bound: rows are left unfinished, and the checks above see it (invalid tokens)
-    seed, step = torch.zeros(len(rows), dtype=torch.long), torch.arange(len(rows))
-    short = fused.launch(
-        rows, *got[3:], seed, step, cap=4, block=32, split=3, bins=bins, tiles=False, rounds=2 * bound - 1
-    )
-    assert (short == naive.INVALID_TOKEN).any()
+            rounds, ends = top_k_rounds(keys[r], int(top_k[r]), bins, cap=4)
+            assert state[r, fused.S_ROUNDS_K.value] == rounds, r
+            assert ends == "one key" or state[r, fused.S_PHASE.value] == fused.PHASE_NONE.value, r
+    assert state[:, fused.S_ROUNDS_K.value].max() == bound  # the worst row (ties at the cut) needs every round
+    # both phases end in one key: 45 tokens tied at -1.5e38 (more than cap) hold both cuts, top-k's (k = 60: 51
+    # tokens above them) and top-p's (at T = 5e37 they carry 3 % of the mass, the 51 above 97 %; fp32 holds x -
+    # max); top-p's bracket, [top-k's cut, max], is nearly the whole key range: every round of its phase. Then the
+    # race: a schedule of exactly the rounds run finishes the row, one round fewer leaves it invalid.
+    tight = torch.cat([torch.tensor([1.5e38]), torch.randn(50, generator=g), torch.full((45,), -1.5e38)])[None]
+    knobs = {"cap": 4, "block": 32, "split": 3, "bins": bins, "tiles": False}
+    got = run_with_state(tight, 5e37, [(60, 0.99, 0.0)], **knobs)
+    check_radix_rows(*got, bins=bins)
+    assert got[1][0, fused.S_ROUNDS_P.value] == bound
+    ran = int(got[1][0, fused.S_ROUNDS_K.value] + got[1][0, fused.S_ROUNDS_P.value])
+    seed, step = torch.zeros(1, dtype=torch.long), torch.arange(1)
+    assert fused.launch(tight, *got[3:], seed, step, **knobs, rounds=ran).item() == got[0].item()
+    assert fused.launch(tight, *got[3:], seed, step, **knobs, rounds=ran - 1).item() == naive.INVALID_TOKEN
 
 
 @pytest.mark.parametrize("bins", [2, 16])
