@@ -921,20 +921,20 @@ def _gather_step(base, rows, busy, chunk, chunk_blocks, V, B, seed_ptr, seed_str
         parts = rows[:, None] * split + sp[None, :]  # [R, SPLIT], summed in chunk order
         bests = tl.load(race_f_ptr + parts, mask=pm, other=float("-inf"), volatile=True)
         ids = tl.load(race_i_ptr + parts, mask=pm, other=2**31 - 1, volatile=True)
-        n_above = tl.load(round_cnt_ptr + parts * (NB + 1) + NB, mask=pm, other=0, volatile=True)
-        mass_above = tl.load(round_mass_ptr + parts * (NB + 1) + NB, mask=pm, other=0.0, volatile=True)
+        n_above_parts = tl.load(round_cnt_ptr + parts * (NB + 1) + NB, mask=pm, other=0, volatile=True)
+        mass_above_parts = tl.load(round_mass_ptr + parts * (NB + 1) + NB, mask=pm, other=0.0, volatile=True)
         n_list = tl.load(counter_ptr + C_GATHER_LIST * B + rows, mask=last, other=0, volatile=True)
         top_k = tl.load(st + S_K, mask=last, other=0)
         resolves = tl.load(st + S_FOR, mask=last, other=0)
         top = tl.load(st + S_TOP, mask=last, other=0)
         top_p = tl.load(sf + F_TOP_P, mask=last, other=1.0)
         target = tl.load(sf + F_TARGET, mask=last, other=0.0)
-        n_above = tl.sum(n_above, 1).to(tl.int64)
         race_above = tl.max(bests, 1)
         fin = last & (n_list <= CAP)  # always, by the decision that sent the row here
         token, cut, key_k, deferred, target = _finish_from_list(
             buf_val_ptr, buf_idx_ptr, rows, fin, n_list, m, c, top_k, top_p, min_p,
-            (resolves == PHASE_TOP_K) & (top_k > 0), top_p < 1.0, target, n_above, tl.sum(mass_above, 1), race_above,
+            (resolves == PHASE_TOP_K) & (top_k > 0), top_p < 1.0, target, tl.sum(n_above_parts, 1).to(tl.int64),
+            tl.sum(mass_above_parts, 1), race_above,
             tl.min(tl.where(bests == race_above[:, None], ids, 2**31 - 1), 1), seed, step, CAP, LOG_CAP,
         )  # fmt: skip
         deferred &= fin

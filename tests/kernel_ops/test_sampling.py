@@ -854,9 +854,9 @@ def test_finish_from_list_draws_from_the_kept_set_whatever_the_list_order(top_k,
         fin = rows >= 0
         step = rows.to(tl.int64)
         k, seed = zero.to(tl.int64) + top_k, zero.to(tl.int64) + 3
-        on_k, on_p, on_mp = fin & (top_k > 0), fin & (top_p < 1.0), fin & (min_p > 0.0)
-        tok = fused._finish_from_list(val_ptr, idx_ptr, rows, fin, zero + n, zero + m, zero + c, zero + total, k,
-                                      zero + top_p, zero + min_p, on_k, on_p, on_mp, seed, step, CAP, 5)  # fmt: skip
+        on_k, on_p = fin & (top_k > 0), fin & (top_p < 1.0)
+        tok = fused._finish_launch2(val_ptr, idx_ptr, rows, fin, zero + n, zero + m, zero + c, zero + total, k,
+                                    zero + top_p, zero + min_p, on_k, on_p, seed, step, CAP, 5)  # fmt: skip
         tl.store(out_ptr + rows, tok)
 
     g = torch.Generator().manual_seed(top_k)
