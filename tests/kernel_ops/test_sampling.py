@@ -6,8 +6,6 @@ test must reject deliberately wrong samplers. Exact tests: greedy / top-k 1 / ti
 reproducibility, NaN and inf rows, torch.export. GPU tests: V = 248320 in fp32 and bf16, CUDA graph replay.
 """
 
-import math
-
 import pytest
 import torch
 from scipy.stats import chi2
