@@ -453,8 +453,10 @@ def _finish_from_prefix(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k,
     in_k = listed & (srt >= key_k[:, None])
     p_k = tl.where(in_k, p_srt, 0.0)
     target = tl.where(target < 0, top_p * (mass_above + tl.sum(p_k, 1)), target)  # top_p times the top-k set's mass
-    before = mass_above[:, None] + tl.cumsum(p_k, 1) - p_k  # mass strictly before each sorted position
-    n_p = tl.sum((in_k & (before < target[:, None])).to(tl.int32), 1)
+    before = tl.cumsum(p_k, 1) - p_k  # the list's mass strictly before each sorted position
+    # mass above the list + before < target (a [R] shift: adding it to the [R, N] cumsum made triton 3.6's resolve
+    # kernel spill 3.4 KB at 128 registers, sm_90 AOT)
+    n_p = tl.sum((in_k & (before < (target - mass_above)[:, None])).to(tl.int32), 1)
     deferred = p_on & k_on & (n_above > 0) & (n_p == 0)  # the mass above the list reaches the target already
     n_p = tl.maximum(n_p, 1)
     key_p = tl.sum(tl.where(slot[None, :] == (n_p - 1)[:, None], srt, 0), 1)
