@@ -822,9 +822,11 @@ def test_count_thresholds_are_sorted_and_bracket_the_row():
         m = 10.0 + r.to(tl.float32)
         x_min = -5.0 - r.to(tl.float32)
         n = (r * 0 + 5000).to(tl.int64)
-        k_on = r % 2 == 0
-        thr = fused._count_thresholds(m, x_min, n, m * 0.1, m * 0 + 2.0, (r * 0 + 50).to(tl.int64), k_on, r >= 0,
-                                      256, NT, 4)  # fmt: skip
+        k_on = r % 4 == 0  # rows 0: top-k; 1 and 3: top-p alone (the cut the fit predicts); 2: neither
+        p_on = r % 2 == 1
+        c = m * 0 + 1.4426950408889634  # T = 1
+        thr = fused._count_thresholds(m, x_min, n, m * 0.1, m * 0 + 2.0, c, (r * 0 + 50).to(tl.int64), m * 0 + 0.9,
+                                      k_on, p_on, r >= 0, 256, NT, 4)  # fmt: skip
         tl.store(out_ptr + r[:, None] * NT + tl.arange(0, NT)[None, :], thr)
 
     out = torch.empty(4, 16)
@@ -834,6 +836,19 @@ def test_count_thresholds_are_sorted_and_bracket_the_row():
     assert (out <= m[:, None]).all() and (out >= x_min[:, None]).all()
     assert (out == x_min[:, None]).any(-1).all()  # the geometric half ends at the smallest logit
     assert (out.unique(dim=-1).shape[-1] > 8) and (out[0].unique().numel() > 12)  # spread, not collapsed
+
+
+def test_flat_top_p_rows_gather_between_launch_2s_thresholds():
+    # normal rows at top-p 0.95 keep ~3/4 of the vocabulary: launch 2's thresholds around the cut that the normal fit
+    # predicts bracket it within CAP tokens, so launch 3 gathers the bracket and finishes in one pass (no rounds);
+    # with top-k the thresholds stay where they were (count-spaced), and those rows take another path
+    B, V = 3, 16_384
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(11))
+    got = run_with_state(logits, 1.0, [(0, 0.95, 0.0), (0, 0.5, 0.0), (0, 0.95, 0.05)], split=4)
+    check_radix_rows(*got, bins=16)
+    state = got[1]
+    assert (state[:, fused.S_PATH.value] == fused.PATH_REGATHER.value).all(), paths_of(state)
+    assert (state[:, fused.S_ROUNDS_P.value] == 0).all()
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.7, 0.0), (0, 1.0, 0.3),
