@@ -31,9 +31,11 @@ met / missed with the factor.
 """
 
 import argparse
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from benchlib import L2_FLUSH_BYTES, copy_bandwidth_gbs, print_targets, target, time_calls, write_json
@@ -240,6 +242,27 @@ def summarise(rows, batches):
     return summary, targets
 
 
+def summarise_cut_run(path: Path, cut_after: float):
+    """per_batch and targets of a run cut by its time limit after `cut_after` seconds, from the rows it wrote (the
+    environment, commit and command stay the run's own), and the cases it did not reach."""
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    for r in rows:
+        r["floor_us"] = r["logits_MB"] * 1e3 / doc["copy_gbs"]
+    batches = tuple(dict.fromkeys(r["B"] for r in rows))
+    doc["per_batch"], doc["targets"] = summarise(rows, batches)
+    doc["targets"].append(target("benchmark runtime s (cut short: at least)", cut_after, RUNTIME_S, True))
+    ran = {(r["mode"], r["logits"], r["B"], r["dtype"], r["impl"]) for r in rows}
+    planned = [(m, s, B, str(d).removeprefix("torch."), "triton") for m, s, B, d, _ in cases(batches)]
+    planned += [(m, s, B, "float32", f"triton_bins{b}") for B in batches if B in (1, 256) for m, s in RADIX_CASES
+                for b in BINS_SWEEP]  # fmt: skip
+    doc["not_run"] = [" ".join(map(str, c)) for c in planned if c not in ran]
+    doc["summarised"] = "offline (--summarise) from the rows of a run cut short; complete stays false"
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    print_targets(doc["targets"])
+    print(f"not run: {doc['not_run']}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/bench_sampling.json")
@@ -249,7 +272,12 @@ def main():
     parser.add_argument("--target-only", action="store_true", help="greedy and the target mode only (no other modes,"
                         " no bins sweep)")  # fmt: skip
     parser.add_argument("--vocab", type=int, default=VOCAB, help="smaller only for CPU smoke runs of the script")
+    parser.add_argument("--summarise", metavar="JSON", help="summarise the rows of a run that was cut short (its "
+                        "JSON, complete false) into per_batch and targets, in place; runs nothing")  # fmt: skip
+    parser.add_argument("--cut-after", type=float, help="with --summarise: the seconds the run had when it was cut")
     args = parser.parse_args()
+    if args.summarise:
+        return summarise_cut_run(Path(args.summarise), args.cut_after)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V = args.vocab
     batches = tuple(args.batch) if args.batch else (1, 256) if args.quick else BATCHES
