@@ -22,24 +22,28 @@ Launch on sm_90 (an idle launch overlaps the previous one's tail):
    every program combines the chunk stats, gathers every x >= s of its chunk into the row's list of CAP slots
    (slot from an atomic counter: the list's order does not matter, see 5.); s is a speculative threshold, and the
    pass also counts (and, for top-p without top-k, weighs) x >= t_j at NT thresholds
-   (half geometric between the max and the smallest logit, half at the logits where a normal fit of the row
-   predicts k/2 .. 8 CAP tokens above). The row's last program to arrive sums the partials in chunk order and
-   decides: the list holds the cut (s at or below it, <= CAP tokens) -> finish (5.) now; else a threshold t_j
-   at or below the cut with <= CAP tokens above -> regather there (3.); else the radix rounds (4.), starting
-   from the bracket between the two thresholds around the cut. Rows without a filter race over the row here.
+   (half geometric between the max and the smallest logit, half from a normal fit of the row: where it predicts
+   k/2 .. 8 CAP tokens above, or, for top-p without top-k, around the cut it predicts). The row's last program
+   to arrive sums the partials in chunk order and decides: the list holds the cut (s at or below it, <= CAP
+   tokens) -> finish (5.) now; else a bracket of <= CAP tokens that holds the cut -- [t_j, max] for a threshold
+   t_j at or below it, or between the two thresholds around it -> the gather (3.); else the radix rounds (4.)
+   from that bracket. Rows without a filter, and min-p alone over more than CAP tokens, race over the row.
 3. `_resolve_kernel`, steps of one pass each for the rows launch 2 left open (others exit at once): the
-   regather (x >= t_j into the list; the last program finishes), a radix round, or the race. One launch that
-   runs every step, its programs waiting for each round's decision (`_await_counts`), when all of its
-   programs are resident at once; else one grid of at most one program per SM over every (row, chunk), a
-   barrier of the whole grid between steps (`_grid_steps`; it leaves after one load when no row is open).
-4. The radix rounds, at most 2 * rounds_per_phase(bins), for rows whose kept set may exceed CAP: each narrows
-   the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut first, then
-   top-p's within the top-k set; the race then draws among the kept x of every chunk.
+   gather (the bracket's keys into the list; the keys above it counted, weighed and raced; the last program
+   finishes, 5.), a radix round, or the race. One launch that runs every step, its programs waiting for each
+   decision (`_await_counts`), when all of its programs are resident at once; else one grid of at most one
+   program per SM over every (row, chunk), a barrier of the whole grid between steps (`_grid_steps`; it leaves
+   after one load when no row is open).
+4. The radix rounds, at most 2 * rounds_per_phase(bins), for rows whose bracket holds more than CAP tokens: each
+   narrows the row's bracket of order-preserving int32 keys around the cut by a factor `bins`, top-k's cut first,
+   then top-p's within the top-k set, until it holds <= CAP tokens (then the gather) or one key (then top-p's
+   phase, or the race among the kept x of every chunk).
 5. The finish (`_finish_from_list`, in the row's last program): sorts the keys of the list's filled prefix
-   (the first CAP / 4, CAP / 2 or CAP slots, the fewest that hold it) in registers, takes the k-th key (top-k),
-   then the first sorted position whose mass before it reaches top_p times the top-k set's mass (top-p), keeps
-   every token at or above the cuts (ties kept) and with p >= min_p, and draws by an exponential race: argmax
-   over kept i of log2(p_i) - log2(-ln U_i), lowest index on ties.
+   (the first CAP / 4, CAP / 2 or CAP slots, the fewest that hold it) in registers, takes the k-th key (top-k;
+   less the tokens above a gathered bracket), then the first sorted position whose mass before it (and above the
+   bracket) reaches top_p times the top-k set's mass (top-p), keeps every token at or above the cuts (ties kept)
+   and with p >= min_p, and draws by an exponential race: argmax over kept i of log2(p_i) - log2(-ln U_i),
+   lowest index on ties (the tokens above a bracket race in the gather's pass).
 
 U_i comes from Triton's Philox keyed by the row's seed with counter (step, token index): the same
 (logits, parameters, seed, step) give the same token on every call and at any batch position, and nothing
@@ -830,7 +834,7 @@ def _gather_count_item(
     """One (row block, chunk) item of launch 2b for its rows not from tiles: one pass over the chunk gathers x >=
     spec (a speculative threshold) into the row's list and counts (top-p without top-k: also weighs) x >= t_j at
     NT thresholds; the row's last program to arrive decides (_count_outcome), finishes the rows whose list holds
-    the cut and writes the others' state (regather, radix rounds, race) and every row's token (INVALID_TOKEN for
+    the cut and writes the others' state (gather, radix rounds, race) and every row's token (INVALID_TOKEN for
     the rows still open)."""
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
@@ -1157,12 +1161,12 @@ def _resolve_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     """3. Steps first_step .. first_step + steps - 1 for the rows launch 2 left open (the others exit at once):
-    each step is one pass over the chunk for every open row, the one its phase asks for: the regather (then the
-    row is finished), a radix round, or the race (finished). A row in the rounds takes its next step once the
-    round's decision is made: PERSISTENT, the row's programs wait for it here (all of them are resident: see
-    launch()); GRID, a grid of resident programs runs every step over all (row, chunk) items, a barrier of the
-    whole grid between steps (_grid_steps); else each launch is one step (steps = 1, the host launches the next:
-    the CPU interpreter, which runs one program after another)."""
+    each step is one pass over the chunk for every open row, the one its phase asks for: the gather (the row is
+    finished, or goes on to top-p's rounds), a radix round, or the race (finished). A row in the rounds or a
+    gather takes its next step once the step's decision is made: PERSISTENT, the row's programs wait for it here
+    (all of them are resident: see launch()); GRID, a grid of resident programs runs every step over all (row,
+    chunk) items, a barrier of the whole grid between steps (_grid_steps); else each launch is one step (steps =
+    1, the host launches the next: the CPU interpreter, which runs one program after another)."""
     allow_dependents(PDL)
     if GRID:
         wait_for_producers(PDL)
@@ -1292,7 +1296,7 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     shape, while 4 sent zipf rows to the radix rounds, 5.4 ms: results/probe_sampling_count.json) / rows (rows per
     program) / split (programs per row, <= SPLIT_MAX) / bins (radix thresholds per round, a power of 2; default on
     the GPU 16 below B = 64 and 4 from it, 16 in the CPU interpreter) are tuning knobs; tests shrink cap to send
-    rows to the regather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
+    rows to the gather and the radix rounds and set split on the CPU. tile_warps: the warps of launch 2a's
     programs (one row's chain each; 4: two programs per SM, B = 256's 256 rows in one wave, 158 -> 149 us against
     8 warps, results/ab_sampling.json at a034b2f). count_warps: the warps of launch 2b's programs (a power of 2 <=
     8; 8 // count_warps programs per SM, blocks of 128 * count_warps tokens). 4: B = 1 top-k 50 + top-p 0.9 24.2
