@@ -8,6 +8,11 @@ global loads and atomics. Only timing can say what these cost (`experiments/prof
 commit).
 
     python experiments/aot_sampling.py [--out results/aot_sampling.json]
+    python experiments/aot_sampling.py --front-end   (seconds: Triton's front end only, for the CPU tests)
+
+`--front-end` runs only Triton's front end (Python to Triton IR, as for sm_90) on the same kernels and exits 1 if
+one fails: the CPU interpreter runs kernels that this rejects (a name rebound to another type inside an `if`), and
+the first device call of session 14 died of one (tests/kernel_ops/test_sampling.py runs it).
 """
 
 import argparse
@@ -23,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aot_sm90 as aot  # noqa: E402
 from aot_decode_sass import SMS, occupancy  # noqa: E402
 from benchlib import write_json  # noqa: E402
+from triton._C.libtriton import ir  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.launch import cdiv, next_power_of_2  # noqa: E402
 from kernels.sampling import triton as fused  # noqa: E402
@@ -114,10 +122,40 @@ def loops(sass: str) -> list[dict]:
     return out
 
 
+def front_end_errors() -> list[str]:
+    """Triton's front end (the kernel's Python to Triton IR, for sm_90, no LLVM or ptxas) on every kernel of
+    kernels_at at B = 1 and 256 -> "B=.. kernel: error" for each that fails."""
+    backend = CUDABackend(aot.TARGET)
+    errors = []
+    for B in (1, 256):
+        for name, (kernel, constexprs, _) in kernels_at(launch_params(B)).items():
+            fn, sig, const, attrs = signature(kernel, constexprs)
+            options = backend.parse_options({"num_warps": {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(
+                name, NUM_WARPS)})  # fmt: skip
+            context = ir.context()
+            ir.load_dialects(context)
+            backend.load_dialects(context)
+            try:
+                ASTSource(fn, sig, const, attrs).make_ir(aot.TARGET, options, backend.get_codegen_implementation(
+                    options), backend.get_module_map(), context)  # fmt: skip
+                print(f"B={B:<4} {name:<13} front end ok")
+            except Exception as e:  # CompilationError: each call level's source position, the cause last
+                chain = [e]
+                while chain[-1].__cause__ is not None:
+                    chain.append(chain[-1].__cause__)
+                errors.append(f"B={B} {name}: {chain[-2] if len(chain) > 1 else ''}\n{chain[-1]!r}")
+    return errors
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/aot_sampling.json")
+    parser.add_argument("--front-end", action="store_true", help="Triton's front end only; exit 1 on an error")
     args = parser.parse_args()
+    if args.front_end:
+        errors = front_end_errors()
+        print("\n".join(errors))
+        sys.exit(1 if errors else 0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for B in (1, 256):
