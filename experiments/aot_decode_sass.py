@@ -129,10 +129,15 @@ def compressed(ops: list[str]) -> str:
     return " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs)
 
 
-def report(kernel, constexprs, types, num_warps, num_stages, maxnreg, programs) -> dict:
-    names = aot_sm90.fn_of(kernel).arg_names  # constexprs the kernel does not take are dropped (older versions)
+def build(kernel, constexprs, types) -> tuple:
+    """aot_sm90.spec of a kernel at these constexprs (those the kernel does not take are dropped: older versions)."""
+    names = aot_sm90.fn_of(kernel).arg_names
     constexprs = {k: v for k, v in constexprs.items() if k in names}
-    fn, sig, const, attrs = aot_sm90.spec(kernel, signature(kernel, constexprs, types), constexprs)
+    return aot_sm90.spec(kernel, signature(kernel, constexprs, types), constexprs)
+
+
+def report(kernel, constexprs, types, num_warps, num_stages, maxnreg, programs) -> dict:
+    fn, sig, const, attrs = build(kernel, constexprs, types)
     c = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=aot_sm90.TARGET,
                        options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})  # fmt: skip
     regs = aot_sm90.ptxas_report(c.asm["ptx"])
@@ -155,7 +160,16 @@ def report(kernel, constexprs, types, num_warps, num_stages, maxnreg, programs) 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/aot_decode_sass.json")
+    parser.add_argument("--front-end", action="store_true", help="Triton's front end only (seconds); exit 1 on an "
+                        "error (tests/test_kernels_front_end.py)")  # fmt: skip
     args = parser.parse_args()
+    if args.front_end:
+        errors = {}
+        for name, (kernel, constexprs, types, num_warps, *_) in kernels_35b().items():
+            errors[name] = aot_sm90.front_end_error(build(kernel, constexprs, types), num_warps)
+            print(f"{name:<54} front end {'FAILED' if errors[name] else 'ok'}")
+        print("\n".join(f"{name}: {e}" for name, e in errors.items() if e))
+        sys.exit(1 if any(errors.values()) else 0)
     rows = {name: report(*spec) for name, spec in kernels_35b().items()}
     env = {"triton": triton.__version__, "target": "sm_90 (ptxas from the Triton wheel)"}
     commit = aot_sm90.subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout

@@ -28,9 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aot_sm90 as aot  # noqa: E402
 from aot_decode_sass import SMS, occupancy  # noqa: E402
 from benchlib import write_json  # noqa: E402
-from triton._C.libtriton import ir  # noqa: E402
-from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.launch import cdiv, next_power_of_2  # noqa: E402
 from kernels.sampling import triton as fused  # noqa: E402
@@ -123,27 +120,16 @@ def loops(sass: str) -> list[dict]:
 
 
 def front_end_errors() -> list[str]:
-    """Triton's front end (the kernel's Python to Triton IR, for sm_90, no LLVM or ptxas) on every kernel of
-    kernels_at at B = 1 and 256 -> "B=.. kernel: error" for each that fails."""
-    backend = CUDABackend(aot.TARGET)
+    """aot.front_end_error on every kernel of kernels_at at B = 1 and 256 -> "B=.. kernel: error" for each that
+    fails."""
     errors = []
     for B in (1, 256):
         for name, (kernel, constexprs, _) in kernels_at(launch_params(B)).items():
-            fn, sig, const, attrs = signature(kernel, constexprs)
-            options = backend.parse_options({"num_warps": {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(
-                name, NUM_WARPS)})  # fmt: skip
-            context = ir.context()
-            ir.load_dialects(context)
-            backend.load_dialects(context)
-            try:
-                ASTSource(fn, sig, const, attrs).make_ir(aot.TARGET, options, backend.get_codegen_implementation(
-                    options), backend.get_module_map(), context)  # fmt: skip
-                print(f"B={B:<4} {name:<13} front end ok")
-            except Exception as e:  # CompilationError: each call level's source position, the cause last
-                chain = [e]
-                while chain[-1].__cause__ is not None:
-                    chain.append(chain[-1].__cause__)
-                errors.append(f"B={B} {name}: {chain[-2] if len(chain) > 1 else ''}\n{chain[-1]!r}")
+            warps = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(name, NUM_WARPS)
+            error = aot.front_end_error(signature(kernel, constexprs), warps)
+            print(f"B={B:<4} {name:<13} front end {'FAILED' if error else 'ok'}")
+            if error:
+                errors.append(f"B={B} {name}: {error}")
     return errors
 
 

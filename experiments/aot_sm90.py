@@ -26,8 +26,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+from triton._C.libtriton import ir  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 
 from kernels.linear import triton as lin  # noqa: E402
 from kernels.moe import triton as moe  # noqa: E402
@@ -108,6 +109,27 @@ def moe_sorted(which: str, cfg=None):
     fn = fn_of(kernel)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     return spec(kernel, args, const), part["num_warps"], part["num_stages"]
+
+
+def front_end_error(spec_: tuple, num_warps: int) -> str | None:
+    """Triton's front end (the kernel's Python to Triton IR, as for sm_90: no LLVM, no ptxas; about a second) on
+    spec's (fn, signature, constexprs, attrs) -> None, or the error: its innermost call's source position and its
+    cause. The CPU interpreter runs code that this rejects (a name rebound to another type inside an `if`)."""
+    fn, signature, constexprs, attrs = spec_
+    backend = CUDABackend(TARGET)
+    options = backend.parse_options({"num_warps": num_warps})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    try:
+        source.make_ir(TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    except Exception as e:  # CompilationError: one per call level, the cause last
+        chain = [e]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        return f"{chain[-2] if len(chain) > 1 else ''}\n{chain[-1]!r}"
+    return None
 
 
 def ptxas_report(ptx: str) -> dict:
