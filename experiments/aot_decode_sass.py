@@ -164,12 +164,12 @@ def main():
                         "error (tests/test_kernels_front_end.py)")  # fmt: skip
     args = parser.parse_args()
     if args.front_end:
-        errors = {}
-        for name, (kernel, constexprs, types, num_warps, *_) in kernels_35b().items():
-            errors[name] = aot_sm90.front_end_error(build(kernel, constexprs, types), num_warps)
-            print(f"{name:<54} front end {'FAILED' if errors[name] else 'ok'}")
-        print("\n".join(f"{name}: {e}" for name, e in errors.items() if e))
-        sys.exit(1 if any(errors.values()) else 0)
+        aot_sm90.front_end_exit(
+            {
+                name: (build(kernel, constexprs, types), num_warps)
+                for name, (kernel, constexprs, types, num_warps, *_) in kernels_35b().items()
+            }
+        )
     rows = {name: report(*spec) for name, spec in kernels_35b().items()}
     env = {"triton": triton.__version__, "target": "sm_90 (ptxas from the Triton wheel)"}
     commit = aot_sm90.subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout

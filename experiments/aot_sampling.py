@@ -12,7 +12,7 @@ commit).
 
 `--front-end` runs only Triton's front end (Python to Triton IR, as for sm_90) on the same kernels and exits 1 if
 one fails: the CPU interpreter runs kernels that this rejects (a name rebound to another type inside an `if`), and
-the first device call of session 14 died of one (tests/kernel_ops/test_sampling.py runs it).
+the first device call of session 14 died of one (tests/test_kernels_front_end.py runs it).
 """
 
 import argparse
@@ -36,6 +36,7 @@ V = 248_320
 NUM_WARPS = 8  # every sampling launch on the GPU but launches 2a (tiles) and 2b (gather_count)
 TILE_WARPS = inspect.signature(fused.launch).parameters["tile_warps"].default
 COUNT_WARPS = inspect.signature(fused.launch).parameters["count_warps"].default
+WARPS = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}  # kernels_at's names -> num_warps; else NUM_WARPS
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
@@ -119,35 +120,25 @@ def loops(sass: str) -> list[dict]:
     return out
 
 
-def front_end_errors() -> list[str]:
-    """aot.front_end_error on every kernel of kernels_at at B = 1 and 256 -> "B=.. kernel: error" for each that
-    fails."""
-    errors = []
-    for B in (1, 256):
-        for name, (kernel, constexprs, _) in kernels_at(launch_params(B)).items():
-            warps = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(name, NUM_WARPS)
-            error = aot.front_end_error(signature(kernel, constexprs), warps)
-            print(f"B={B:<4} {name:<13} front end {'FAILED' if error else 'ok'}")
-            if error:
-                errors.append(f"B={B} {name}: {error}")
-    return errors
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/aot_sampling.json")
     parser.add_argument("--front-end", action="store_true", help="Triton's front end only; exit 1 on an error")
     args = parser.parse_args()
     if args.front_end:
-        errors = front_end_errors()
-        print("\n".join(errors))
-        sys.exit(1 if errors else 0)
+        kernels = {(B, name): launch for B in (1, 256) for name, launch in kernels_at(launch_params(B)).items()}
+        aot.front_end_exit(
+            {
+                f"B={B:<4} {name}": (signature(kernel, constexprs), WARPS.get(name, NUM_WARPS))
+                for (B, name), (kernel, constexprs, _) in kernels.items()
+            }
+        )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for B in (1, 256):
             p = launch_params(B)
             for name, (kernel, constexprs, programs) in kernels_at(p).items():
-                warps = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}.get(name, NUM_WARPS)
+                warps = WARPS.get(name, NUM_WARPS)
                 r = aot.report(f"{name}_B{B}", (signature(kernel, constexprs), warps, 1), Path(tmp))
                 sass = (Path(tmp) / f"{name}_B{B}.sass").read_text()
                 fill = occupancy(r["registers"], r["shared_bytes"], warps, programs)

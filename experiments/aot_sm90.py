@@ -132,6 +132,16 @@ def front_end_error(spec_: tuple, num_warps: int) -> str | None:
     return None
 
 
+def front_end_exit(kernels: dict) -> None:
+    """front_end_error on {name: (spec, num_warps)}, a line each, then the errors; exits 1 if one failed, else 0."""
+    errors = {}
+    for name, (spec_, num_warps) in kernels.items():
+        errors[name] = front_end_error(spec_, num_warps)
+        print(f"{name:<54} front end {'FAILED' if errors[name] else 'ok'}")
+    print("\n".join(f"{name}: {error}" for name, error in errors.items() if error))
+    sys.exit(1 if any(errors.values()) else 0)
+
+
 def ptxas_report(ptx: str) -> dict:
     arch = re.search(r"\.target\s+(\S+)", ptx).group(1)
     with tempfile.TemporaryDirectory() as d:

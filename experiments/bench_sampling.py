@@ -204,6 +204,16 @@ def cases(batches, target_only=False):
                         yield mode, shape, B, torch.float32, False
 
 
+def planned_runs(batches, target_only=False):
+    """(mode, shape, B, dtype, baseline?, radix bins or None) of every case, in the order they run: cases(), then
+    (not target_only) the rounds' bins sweep: fewer launches against more work a round."""
+    runs = [(mode, shape, B, dtype, baseline, None) for mode, shape, B, dtype, baseline in cases(batches, target_only)]
+    if not target_only:
+        runs += [(mode, shape, B, torch.float32, False, bins) for B in batches if B in (1, 256)
+                 for mode, shape in RADIX_CASES for bins in BINS_SWEEP]  # fmt: skip
+    return runs
+
+
 def find(rows, **key):
     return next((r for r in rows if all(r[k] == v for k, v in key.items())), None)
 
@@ -253,9 +263,8 @@ def summarise_cut_run(path: Path, cut_after: float):
     doc["per_batch"], doc["targets"] = summarise(rows, batches)
     doc["targets"].append(target("benchmark runtime s (cut short: at least)", cut_after, RUNTIME_S, True))
     ran = {(r["mode"], r["logits"], r["B"], r["dtype"], r["impl"]) for r in rows}
-    planned = [(m, s, B, str(d).removeprefix("torch."), "triton") for m, s, B, d, _ in cases(batches)]
-    planned += [(m, s, B, "float32", f"triton_bins{b}") for B in batches if B in (1, 256) for m, s in RADIX_CASES
-                for b in BINS_SWEEP]  # fmt: skip
+    planned = [(m, s, B, str(d).removeprefix("torch."), f"triton_bins{bins}" if bins else "triton")
+               for m, s, B, d, _, bins in planned_runs(batches, "--target-only" in doc["command"])]  # fmt: skip
     doc["not_run"] = [" ".join(map(str, c)) for c in planned if c not in ran]
     doc["summarised"] = "offline (--summarise) from the rows of a run cut short; complete stays false"
     path.write_text(json.dumps(doc, indent=2, default=str))
@@ -283,14 +292,8 @@ def main():
     batches = tuple(args.batch) if args.batch else (1, 256) if args.quick else BATCHES
     start = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs(device)
-    runs = [
-        (mode, shape, B, dtype, baseline, None) for mode, shape, B, dtype, baseline in cases(batches, args.target_only)
-    ]
-    if not args.target_only:  # the rounds' bins: fewer launches against more work a round
-        runs += [(mode, shape, B, torch.float32, False, bins) for B in batches if B in (1, 256)
-                 for mode, shape in RADIX_CASES for bins in BINS_SWEEP]  # fmt: skip
     rows = []
-    for mode, shape, B, dtype, baseline, bins in runs:
+    for mode, shape, B, dtype, baseline, bins in planned_runs(batches, args.target_only):
         new = bench_case(mode, shape, B, V, dtype, device, baseline, bins=bins)
         rows += new
         for r in new:

@@ -1,7 +1,7 @@
 """Where the fused sampler's time goes, per launch: top-k 50 + top-p 0.9 over bench_sampling's shapes at B = 1 and
 256 (V = 248,320, fp32), one call profiled after a warm-up (torch.profiler, eager), the CUDA time of each kernel.
 Launches: `_stats_kernel`, `_tiles_kernel` (rows from tiles, where `tiles_pay_off`), `_gather_count_kernel` (its
-last item finishes the rows whose list holds the cut), `_resolve_kernel` (regather, radix rounds and race: one
+last item finishes the rows whose list holds the cut), `_resolve_kernel` (gather, radix rounds and race: one
 launch that waits inside for batches whose grid fits on the GPU, else one grid with barriers between steps).
 
     PYTHONPATH=. python experiments/profile_sampling.py [--out results/profile_sampling.json]
