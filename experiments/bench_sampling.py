@@ -11,9 +11,9 @@ min-p 0.05 alone on "llm" (typical) and "flat" (the widest kept sets) at B = 1 a
 
 Before timing, every case is checked on the GPU: greedy and top-k 1 tokens equal the argmax, sampled tokens lie
 in the kept set of the float64 reference filter (kernels/sampling/naive.py), and no row is left unfinished by the
-radix rounds. Where each row finished goes to the JSON ("paths": launch 2's list, launch 3's regather, the radix
-rounds, the race alone; "radix_rows", "max_rounds"): the target mode should never take the rounds. A failed
-check aborts (exit 1).
+radix rounds. Where each row finished goes to the JSON ("paths": launch 2's list, "regather": launch 3's gather
+from launch 2's bracket, the radix rounds, the race alone; "radix_rows", "max_rounds"): the target mode should
+never take the rounds. A failed check aborts (exit 1).
 
 Each call is timed inside one CUDA graph of many calls on inputs rotated over > 200 MB (logits come from HBM,
 not L2); the copy ceiling is measured in the same run. The JSON reports per B the typical ("llm") and the
@@ -66,7 +66,7 @@ BF16_VS_FP32 = 1.2
 RUNTIME_S = 180.0
 PATHS = {  # how the rows of a case finished (fused.S_PATH): the launch that drew their token
     "list": fused.PATH_LIST.value,  # launch 2's speculative list held the cut
-    "regather": fused.PATH_REGATHER.value,  # launch 3, from a regather at a counted threshold
+    "regather": fused.PATH_REGATHER.value,  # launch 3, from a gather between launch 2's counted thresholds
     "radix": fused.PATH_RADIX.value,  # the radix rounds, then the race
     "race": fused.PATH_RACE.value,  # the race alone (no filter, or min-p over > CAP tokens)
 }

@@ -278,7 +278,7 @@ def test_sampled_token_in_kept_set(cap):
     [
         (3, 96, 300, 32, None),  # the GPU's small-batch layout: 10 blocks of 32 over 3 chunks, the last one partial
         (8, 96, 300, 32, None),  # chunks wholly past V; gathered lists spread over up to 8 chunks
-        (5, 96, 300, 32, 16),  # small buffer: regathers and radix rounds over split chunks (5: SPLIT 8)
+        (5, 96, 300, 32, 16),  # small buffer: gathers and radix rounds over split chunks (5: SPLIT 8)
         (4, 12, 2100, None, None),  # default blocks: 2048 for the stats, 1024 for the threshold tiles
     ],
 )
@@ -529,7 +529,7 @@ def test_radix_rounds_never_exceed_the_bound(bins):
 @pytest.mark.parametrize("bins", [2, 16])
 def test_waiting_launch_matches_a_launch_per_step(bins):
     # launch 3 as one launch that loops over its steps (the GPU's path up to B = 16) against one launch per step:
-    # the same tokens and states on rows that take the regather, the rounds of both phases and the race. One
+    # the same tokens and states on rows that take launch 3's gather, the rounds of both phases and the race. One
     # program per row (split = 1): the interpreter runs a program to its end, so no program may wait for another.
     V, B = 96, 4
     g = torch.Generator().manual_seed(3)
@@ -550,7 +550,7 @@ def test_waiting_launch_matches_a_launch_per_step(bins):
 @pytest.mark.parametrize("split", [1, 3])
 def test_grid_steps_match_a_launch_per_step(split):
     # launch 3 as one grid (one program here: it runs every (row, chunk) item of a step, then the barrier) against
-    # one launch per step, over rows that take the regather, both phases of the rounds and the race, and rows that
+    # one launch per step, over rows that take the gather, both phases of the rounds and the race, and rows that
     # launch 2 finished (no row open: the grid must leave at once and change nothing)
     V, B = 96, 4
     g = torch.Generator().manual_seed(4)
@@ -999,7 +999,7 @@ def test_list_appends_stop_once_the_list_overflows():
     # top-p 0.95 on flat rows: the speculative threshold passes almost every token, far more than the list's CAP
     # slots. Each (row, chunk) program stops appending after the block in which its slot reached CAP, so the row's
     # appends (S_LISTED) stay within CAP + split * block; appending every token (4,096 a row here, 247k at V =
-    # 248,320) contended for one counter: 33 ms at B = 256 on the H200. The rows still end right, in the rounds.
+    # 248,320) contended for one counter: 33 ms at B = 256 on the H200. The rows still end right, in launch 3.
     g = torch.Generator().manual_seed(11)
     B, V, block, split, cap = 3, 4096, 64, 4, 16
     logits = torch.randn(B, V, generator=g)
