@@ -286,7 +286,17 @@ def main():
     parser.add_argument("--cut-after", type=float, help="with --summarise: the seconds the run had when it was cut")
     args = parser.parse_args()
     if args.summarise:
-        return summarise_cut_run(Path(args.summarise), args.cut_after)
+        path = Path(args.summarise)
+        problem = (
+            f"--summarise: no file {path}" if not path.is_file()
+            else "--summarise needs --cut-after SECONDS (how long the cut run had)" if args.cut_after is None
+            else f"--summarise: {path} is not a bench_sampling run cut short (complete is not false)"
+            if json.loads(path.read_text()).get("complete", True) is not False else None
+        )  # fmt: skip
+        if problem:
+            print(problem, file=sys.stderr)
+            sys.exit(2)
+        return summarise_cut_run(path, args.cut_after)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V = args.vocab
     batches = tuple(args.batch) if args.batch else (1, 256) if args.quick else BATCHES
