@@ -347,7 +347,7 @@ def _normal_threshold(mean, std, n, want):
 def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, top_p, min_p, k_on, p_on, mp_on,
                            filtered, CAP: tl.constexpr):  # fmt: skip
     """The speculative gather's threshold, checked after the pass. top-k: where the normal fit predicts
-    max(2k, CAP / 4) tokens (at most (k + CAP) / 2), kept if at least k came; else min-p: p(spec) ~ min_p / 2 <
+    max(2k, CAP / 8) tokens (at most (k + CAP) / 2), kept if at least k came; else min-p: p(spec) ~ min_p / 2 <
     min_p; top-p: tokens with p / total < (1 - top_p) / V hold < 1 - top_p of the mass. +inf for rows without
     a filter."""
     tail = (1.0 - tl.where(p_on, top_p, 0.9)) / V
@@ -355,7 +355,7 @@ def _speculative_threshold(m, c, total, V, x_min, n_finite, mean, std, top_k, to
     spec_min_p = m + (tl.log2(tl.where(mp_on, min_p, 1.0)) - 1.0) / c
     spec = tl.where(mp_on, tl.where(p_on, tl.maximum(spec, spec_min_p), spec_min_p), spec)
     k = top_k.to(tl.float32)
-    want = tl.minimum(tl.maximum(2.0 * k, CAP / 4), (k + CAP) * 0.5)
+    want = tl.minimum(tl.maximum(2.0 * k, CAP / 8), (k + CAP) * 0.5)
     spec = tl.where(k_on, _normal_threshold(mean, std, n_finite, want), spec)
     spec = tl.where(spec == spec, spec, x_min)
     return tl.where(filtered, tl.minimum(tl.maximum(spec, x_min), m), float("inf"))  # the max is always kept
@@ -495,8 +495,8 @@ def _finish_from_list(buf_val_ptr, buf_idx_ptr, rows, fin, n_buf, m, c, top_k, t
     keys that holds the cuts to find, n_above tokens above it (mass mass_above; the best race key among those with
     p >= min_p, race_above, at token idx_above). Launch 2's lists hold every token at or above a threshold (n_above
     0). Sorts the keys of the lists' filled prefix in registers (descending): the first CAP / 4, CAP / 2 or CAP
-    slots, the fewest that hold every fin row's n_buf (the speculative gather aims at max(2k, CAP / 4) tokens: most
-    lists fill a quarter or a half). k_on: top-k's cut is the (k - n_above)-th key; top-p's (p_on) is the key at the
+    slots, the fewest that hold every fin row's n_buf (the speculative gather aims at max(2k, CAP / 8) tokens: at
+    k < 64 most lists fill a quarter). k_on: top-k's cut is the (k - n_above)-th key; top-p's (p_on) is the key at the
     last sorted position whose mass before it (mass_above included) is < target (target < 0: top_p times the top-k
     set's mass, z); every token at or above both cuts with p >= min_p races; the largest race key wins, lowest
     token id on ties. The slots past the prefix are empty (KEY_MIN, never kept), so no comparison changes with it;

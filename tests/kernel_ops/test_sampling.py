@@ -1040,6 +1040,22 @@ def tiered_logits(n_up, V, seed):
     return x
 
 
+@pytest.mark.parametrize("top_k", [1, 50])
+def test_small_top_k_list_fits_the_quarter_sort(top_k):
+    # below k = 64 the speculative gather aims at CAP / 8 tokens (the normal fit's guess): a normal row's list then
+    # holds >= k tokens (finished by launch 2) and fits the finish's CAP / 4 sort. Aiming at CAP / 4 listed 264 of
+    # 256 slots on the H200's flat rows, whose sort of CAP / 2 cost 1.5-2.6 us at B = 1 (ab_sampling_want.json)
+    g = torch.Generator().manual_seed(7)
+    B, V = 4, 8192  # CAP = 1024
+    logits = torch.randn(B, V, generator=g)
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    fused.launch(logits, torch.ones(B), torch.full((B,), top_k), torch.full((B,), 0.9), torch.zeros(B),
+                 torch.full((B,), 3), torch.arange(B), state=state, tiles=False)  # fmt: skip
+    listed = state[:, fused.S_LISTED.value]
+    assert paths_of(state) == {fused.PATH_LIST.value: B}
+    assert (listed >= top_k).all() and (listed <= 1024 // 4).all(), listed
+
+
 def test_finish_sorts_the_filled_prefix():
     # the finish sorts the fewest of the first CAP / 4, CAP / 2, CAP slots that hold every list of the program's
     # rows: lists of 40, 100 and 200 of 256 slots (one prefix each; one list per program) give tokens in the
