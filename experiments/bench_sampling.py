@@ -246,9 +246,10 @@ def summarise(rows, batches):
             targets.append(target(f"{TARGET_MODE} B={B} fp32 worst ({worst['logits']}) us", worst["us"], wst, True))
             targets.append(target(f"greedy B={B} fp32: triton / torch.argmax", greedy["us"] / argmax["us"], 1.2, True))
         for shape in ("llm", "flat"):
-            bf16 = find(mine, dtype="bfloat16", logits=shape)
-            ratio = bf16["us"] / find(fp32, logits=shape)["us"]
-            targets.append(target(f"{TARGET_MODE} B={B} {shape}: bf16 / fp32", ratio, BF16_VS_FP32, True))
+            bf16, base = find(mine, dtype="bfloat16", logits=shape), find(fp32, logits=shape)
+            if bf16 and base:  # a run cut short may not have reached them (its not_run lists them)
+                ratio = bf16["us"] / base["us"]
+                targets.append(target(f"{TARGET_MODE} B={B} {shape}: bf16 / fp32", ratio, BF16_VS_FP32, True))
     return summary, targets
 
 
@@ -261,7 +262,8 @@ def summarise_cut_run(path: Path, cut_after: float):
         r["floor_us"] = r["logits_MB"] * 1e3 / doc["copy_gbs"]
     batches = tuple(dict.fromkeys(r["B"] for r in rows))
     doc["per_batch"], doc["targets"] = summarise(rows, batches)
-    doc["targets"].append(target("benchmark runtime s (cut short: at least)", cut_after, RUNTIME_S, True))
+    if cut_after > RUNTIME_S:  # else the whole run's time is unknown: no verdict either way
+        doc["targets"].append(target("benchmark runtime s (cut short: at least)", cut_after, RUNTIME_S, True))
     ran = {(r["mode"], r["logits"], r["B"], r["dtype"], r["impl"]) for r in rows}
     planned = [(m, s, B, str(d).removeprefix("torch."), f"triton_bins{bins}" if bins else "triton")
                for m, s, B, d, _, bins in planned_runs(batches, "--target-only" in doc["command"])]  # fmt: skip
