@@ -98,14 +98,14 @@ def kernels_35b() -> dict:
         "moe up (routing + expert gate/up GEMV)": (
             moe._moe_up_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
-                 EVEN_K=True, EXPERTS_FP8=False, PDL=True),
+                 EVEN_K=True, EXPERTS_FP8=False, EP=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"], up.get("maxnreg"),
             triton.cdiv(512, up["BLOCK_N"]) * 8,
         ),
         "moe down (experts + shared + combine GEMV)": (
             moe._moe_down_gemv_kernel,
             dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
-                 EXPERTS_FP8=False, SHARED_FP8=False, PDL=True),
+                 EXPERTS_FP8=False, SHARED_FP8=False, EP=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"], down.get("maxnreg"),
             triton.cdiv(2048, down["BLOCK_N"]),
         ),

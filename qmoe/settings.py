@@ -192,11 +192,6 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
         "kernels.sampling",
         "the Triton sampler has no vocab-parallel variant yet; with tp x ep > 1 use kernels.sampling=torch",
     )
-    require(
-        ep == 1 or choice["moe"] == "torch",
-        "kernels.moe",
-        "the Triton MoE kernels hold every expert; with parallel.ep > 1 use kernels.moe=torch (or ep=1, tp=N)",
-    )
     if OmegaConf.select(cfg, "model.weights") == "fp8":
         require(
             OmegaConf.select(cfg, "model.checkpoint") is None,

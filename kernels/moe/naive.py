@@ -87,3 +87,35 @@ def moe_block(
     topk_weights, topk_ids = route(router_logits, top_k)
     routed = fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
+
+
+def ep_moe_block(x, proj, w13, w2, shared_down_proj, top_k: int, first: int) -> torch.Tensor:
+    """Expert parallel: x [M, H], proj [M, E + 2 Is + 1] (the whole router, every rank routes; this rank's shared
+    slices), w13 [El, 2I, H] / w2 [El, H, I] the experts first .. first + El - 1 -> [M, H], this rank's share:
+    pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares)."""
+    E = proj.shape[-1] - 2 * shared_down_proj.shape[1] - 1
+    router_logits, gate, up, gate_logit = split_projection(proj, E, shared_down_proj.shape[1])
+    weights, ids = route(router_logits, top_k)  # [M, K] over all E experts
+    local = ids - first
+    mine = (local >= 0) & (local < w13.shape[0])
+    weights, local = torch.where(mine, weights, 0), torch.where(mine, local, 0)
+    return fused_moe(x, w13, w2, weights, local) + shared_expert(gate, up, shared_down_proj, gate_logit)
+
+
+# a custom op, so the block exports with a dynamic token count as the unsharded one does
+@torch.library.custom_op("qmoe::moe_block_ep", mutates_args=())
+def moe_block_ep(
+    x: torch.Tensor,
+    proj: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down_proj: torch.Tensor,
+    top_k: int,
+    first: int,
+) -> torch.Tensor:
+    return ep_moe_block(x, proj, w13, w2, shared_down_proj, top_k, first)
+
+
+@moe_block_ep.register_fake
+def _(x, *args):
+    return torch.empty_like(x)

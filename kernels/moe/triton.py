@@ -66,7 +66,7 @@ from kernels.moe.naive import split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
-__all__ = ["route", "fused_moe", "moe_block"]
+__all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 
 DECODE_MAX_M = 64
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -572,11 +572,12 @@ def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
 
 def moe_block_decode(
     x, proj, w13, w2, shared_down_proj, top_k, config=None, scratch=None,
-    w13_scale=None, w2_scale=None, shared_down_scale=None,
+    w13_scale=None, w2_scale=None, shared_down_scale=None, first=None,
 ) -> torch.Tensor:  # fmt: skip
     """The block for M <= DECODE_MAX_M in two launches. config / scratch (decode_scratch's dict) override the
     tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates). The scales:
-    those of fp8 weights (kernels/fp8.py), None for dense ones."""
+    those of fp8 weights (kernels/fp8.py), None for dense ones. first: expert parallel (moe_block_ep), on the
+    GEMV kernels only."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
@@ -590,7 +591,9 @@ def moe_block_decode(
         if M != 1:
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
         flags = experts_fp8, shared_fp8
-        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags)
+        return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags, first)
+    if first is not None:
+        raise ValueError("moe_block_decode: expert parallel runs the GEMV kernels (M = 1, BLOCK_M = 1) only")
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
@@ -693,28 +696,13 @@ def _down_gemv_fp8(
     return acc
 
 
-@fast_launch
 @triton.jit
-def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+def _up_gemv_rows(
+    x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, pid_n, H, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr,
 ):  # fmt: skip
-    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
-    No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
-    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
-    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns)."""
-    allow_dependents(PDL)
-    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
-    pid_n = tl.program_id(0)
-    k = tl.program_id(1)
-    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
-    offs_top = tl.arange(0, BLOCK_TOP)
-    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
-        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
-        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
-    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    """h[k, offs_n] = silu(x @ gate^T) * (x @ up^T) over the rows offs_n of expert `expert` (an index into w13)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
@@ -744,18 +732,53 @@ def _moe_up_gemv_kernel(
 
 @fast_launch
 @triton.jit
+def _moe_up_gemv_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr, FIRST, EL,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
+    No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
+    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert parallel): w13
+    holds experts FIRST .. FIRST + EL - 1 of the E the router ranks; a program whose expert another rank holds
+    loads and stores nothing (the down kernel reads no h row of it)."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
+    pid_n = tl.program_id(0)
+    k = tl.program_id(1)
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    if EP:
+        local = expert - FIRST
+        if (local >= 0) & (local < EL):
+            _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, local, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
+                          EXPERTS_FP8)  # fmt: skip
+    else:
+        _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
+                      EXPERTS_FP8)  # fmt: skip
+
+
+@fast_launch
+@triton.jit
 def _moe_down_gemv_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
-    w2_s_ptr, sd_s_ptr,
+    w2_s_ptr, sd_s_ptr, FIRST, EL,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
     registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
-    load before the wait (weights: under PDL they stream while the up kernel finishes)."""
+    load before the wait (weights: under PDL they stream while the up kernel finishes). EP: the experts other
+    ranks hold are masked lanes (no loads, weight 0); the shared expert's rows are this rank's slice."""
     allow_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
@@ -770,6 +793,10 @@ def _moe_down_gemv_kernel(
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
+    if EP:  # indices into this rank's experts; the others' lanes masked off
+        ids -= FIRST
+        top_mask &= (ids >= 0) & (ids < EL)
+        ids = tl.where(top_mask, ids, 0)
     w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
     if EXPERTS_FP8:
         kb_i = tl.cdiv(I, 128)
@@ -794,13 +821,16 @@ def _moe_down_gemv_kernel(
 
 
 def moe_block_gemv(
-    x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8
+    x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8, first=None
 ) -> torch.Tensor:  # fmt: skip
     """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode has checked
-    the scales (the flags, check_scales')."""
+    the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first + El - 1
+    of the E = proj's router columns (None: all of them)."""
     H = x.shape[1]
-    E, I = w2.shape[0], w2.shape[2]
+    El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
+    E = El if first is None else proj.shape[1] - 2 * IS - 1
+    ep = {"FIRST": first or 0, "EL": El, "EP": first is not None}
     up, down = config["up"], config["down"]
     block_top = next_power_of_2(top_k)
     w13_scale, w2_scale, shared_down_scale = scales
@@ -808,15 +838,15 @@ def moe_block_gemv(
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
     _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s,
-        TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
-        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, PDL=on, launch_pdl=on, **up,
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s, ep["FIRST"],
+        ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]),)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        proj.stride(1), w2_s, sd_s, TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_S=next_power_of_2(IS),
-        SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on,
-        launch_pdl=on, **down,
+        proj.stride(1), w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
+        BLOCK_S=next_power_of_2(IS), SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8,
+        SHARED_FP8=shared_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return scratch["out"]
 
@@ -972,12 +1002,14 @@ def _combine_kernel(partials_ptr, shared_ptr, gate_logit_ptr, out_ptr, H, stride
 
 
 def routed_partials_into(
-    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None
+    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None, others=False
 ) -> torch.Tensor:
     """Each (token, k) pair's weighted expert output -> partials [P, H] (rows t * K + k), on the aligned grouped
     path with caller-owned scratch: h [P, I] and partials in x's dtype (tests pass NaN-filled ones, so a row the
     kernels forget reaches the output). config overrides the table (tests, tuner); the scales: those of fp8
-    experts, which run FP8 x FP8: x quantized by the pre-pass before the up kernel, h after it (four launches)."""
+    experts, which run FP8 x FP8: x quantized by the pre-pass before the up kernel, h after it (four launches).
+    others: ids == E name pairs of experts this rank does not hold (expert parallel), grouped after the E experts
+    and never computed: their partials rows keep what the caller put there."""
     M, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -991,7 +1023,7 @@ def routed_partials_into(
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
-    sorted_pairs, ends = align_pairs(ids, E, block_m)
+    sorted_pairs, ends = align_pairs(ids, E + others, block_m)  # the kernels skip blocks past the E-th group
     num_blocks, block_e = sorted_pairs.numel() // block_m, next_power_of_2(E)
     x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
     _moe_up_sorted_kernel[(cdiv(I, up["BLOCK_N"]), num_blocks)](
@@ -1033,18 +1065,25 @@ def fused_moe(
 
 
 def moe_block_prefill(
-    x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None
+    x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None, first=None
 ) -> torch.Tensor:
     """The block for M > DECODE_MAX_M: route, the aligned grouped experts' partials, the shared expert (its
     activation one kernel, its down projection on cuBLAS; an fp8 one dequantized per call), then one kernel that
-    sums each token's partials and adds the gated shared output (naive.moe_block's roundings)."""
-    router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
+    sums each token's partials and adds the gated shared output (naive.moe_block's roundings). first: expert
+    parallel (moe_block_ep): w13 / w2 hold experts first .. first + El - 1 of the router's; the other pairs'
+    partials are 0."""
+    El, Is = w13.shape[0], shared_down_proj.shape[1]
+    E = El if first is None else proj.shape[1] - 2 * Is - 1
+    router_logits, gate, up, gate_logit = split_projection(proj, E, Is)
     topk_weights, topk_ids = route(router_logits, top_k)
     (M, H), P = x.shape, topk_ids.numel()
-    h, partials = x.new_empty(P, w2.shape[2]), x.new_empty(P, H)
-    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale)
+    h, partials = x.new_empty(P, w2.shape[2]), x.new_empty(P, H) if first is None else x.new_zeros(P, H)
+    if first is not None:  # this rank's experts as 0 .. El - 1, the others' pairs as El (never computed)
+        local = topk_ids - first
+        topk_ids = torch.where((local >= 0) & (local < El), local, El)
+    others = first is not None
+    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale, others)
     down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
-    Is = gate.shape[1]
     act = torch.empty((M, Is), dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(M, cdiv(Is, COMBINE_BLOCK_H))](
         gate, up, act, Is, gate.stride(0), up.stride(0), BLOCK=COMBINE_BLOCK_H
@@ -1102,3 +1141,50 @@ def moe_block(
     if kernels.tracing():
         return _moe_block_op(x, proj, w13, w2, shared_down_proj, top_k, *scales)
     return _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales)
+
+
+# ----------------------------------------------------------------------------------------------- expert parallel
+
+
+def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first):
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if x.shape[0] == 1:
+        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, first=first)
+    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, first=first)
+
+
+@torch.library.custom_op("qmoe::moe_block_ep_triton", mutates_args=())
+def _moe_block_ep_op(
+    x: torch.Tensor,
+    proj: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_down_proj: torch.Tensor,
+    top_k: int,
+    first: int,
+) -> torch.Tensor:
+    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first)
+
+
+@_moe_block_ep_op.register_fake
+def _(x, *args):
+    return torch.empty_like(x)
+
+
+def moe_block_ep(
+    x: torch.Tensor,  # [M, H]
+    proj: torch.Tensor,  # [M, E + 2 Is + 1]: the whole router (every rank routes), this rank's shared slices
+    w13: torch.Tensor,  # [El, 2I, H]: experts first .. first + El - 1
+    w2: torch.Tensor,  # [El, H, I]
+    shared_down_proj: torch.Tensor,  # [H, Is]: this rank's slice of the shared expert
+    top_k: int,
+    first: int,
+) -> torch.Tensor:
+    """Expert parallel: this rank's share of the block -> [M, H]; pairs routed to another rank's experts weigh 0
+    (the all-reduce after the block adds the other shares). M = 1 on the GEMV kernels (a program whose expert
+    another rank holds loads nothing), M > 1 on the aligned grouped path with the other ranks' pairs grouped
+    after this rank's experts and skipped. Dense weights (fp8 has no expert-parallel layout)."""
+    if kernels.tracing():
+        return _moe_block_ep_op(x, proj, w13, w2, shared_down_proj, top_k, first)
+    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first)

@@ -223,9 +223,8 @@ class SparseMoE(nn.Module):
         e, shared_down = self.experts, self.shared_expert.down_proj
         proj = proj.flatten(0, 1)
         if e.gate_up_proj.shape[0] < self.num_experts:  # expert parallel: this rank's experts' share
-            from qmoe.parallel.moe import moe_block_ep
-
-            out = moe_block_ep(rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k, e.first)
+            args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k, e.first)
+            out = ops["moe"].moe_block_ep(*args)
         else:
             scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
             args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)

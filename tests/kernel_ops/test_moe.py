@@ -176,6 +176,57 @@ def test_moe_block_gemv(H, E, I, Is, K, reason, dtype):
     torch.testing.assert_close(scratch["f32"], ref_w.flatten())
 
 
+def rank_share(args, ep, rank):
+    """Rank `rank`'s inputs under expert parallel over ep ranks: its El = E / ep experts (views into copies of the
+    weights whose other experts are NaN, so a kernel that reads another rank's expert poisons the output), the
+    whole router and its slice of the shared expert (Is / ep columns of gate, up and down) -> (args, first)."""
+    x, proj, w13, w2, shared_down = args
+    E, Is = w13.shape[0], shared_down.shape[1]
+    El, Isl = E // ep, Is // ep
+    first, cols = rank * El, slice(rank * Isl, (rank + 1) * Isl)
+    mine = torch.zeros(E, dtype=torch.bool)
+    mine[first : first + El] = True
+    w13p, w2p = w13.where(mine[:, None, None], float("nan")), w2.where(mine[:, None, None], float("nan"))
+    router, gate, up, gate_logit = naive.split_projection(proj, E, Is)
+    proj_r = torch.cat([router, gate[:, cols], up[:, cols], gate_logit], 1)
+    return (x, proj_r, w13p[first : first + El], w2p[first : first + El], shared_down[:, cols].contiguous()), first
+
+
+# (M, ep, reason): each rank's share against the reference's, and the shares' sum against the whole block
+EP_CASES = [
+    (1, 2, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
+    (1, 4, "one token, 4 ranks: most of a token's experts are elsewhere"),
+    (5, 2, "M > 1: the aligned path, the other rank's pairs grouped after this rank's experts and skipped"),
+    (70, 4, "prefill-sized M on 4 ranks"),
+]
+
+
+@pytest.mark.parametrize("M,ep,reason", EP_CASES, ids=[c[-1].split(":")[0] for c in EP_CASES])
+def test_moe_block_expert_parallel(M, ep, reason):
+    H, E, I, Is, K = 47, 12, 23, 16, 3
+    args = block_args(M, H, E, I, Is, torch.float32, seed=M)
+    total = torch.zeros(M, H, dtype=torch.float64)
+    for rank in range(ep):
+        share_args, first = rank_share(args, ep, rank)
+        if M == 1:  # small tiles and poisoned scratch: h rows of the other ranks' experts are never read
+            scratch = decode_poisoned(args[0], I, K, GEMV_SMALL)
+            small = moe.moe_block_decode(*share_args, K, config=GEMV_SMALL, scratch=scratch, first=first)
+        out = moe.moe_block_ep(*share_args, K, first)  # the default config (M = 1: the GEMV one)
+        x, proj, w13, w2, shared_down = share_args
+        ref = naive.ep_moe_block(x.double(), proj.double(), w13.double(), w2.double(), shared_down.double(), K, first)
+        assert rel_err(out, ref) < TOL[torch.float32], (reason, rank)
+        if M == 1:
+            assert rel_err(small, ref) < TOL[torch.float32], (reason, rank)
+        total += out.double()
+    assert rel_err(total, block_reference(args, K)) < TOL[torch.float32], reason
+
+
+def test_moe_block_decode_refuses_expert_parallel_off_the_gemv_path():
+    args = block_args(2, 32, 8, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="expert parallel runs the GEMV kernels"):
+        moe.moe_block_decode(*args, 2, config=SMALL, first=0)
+
+
 def test_moe_block_gemv_takes_a_register_cap():
     """A config part's maxnreg (Triton's register cap, as the H200 table's MoE up entry has) is a launch option
     the GEMV kernels take; the block stays right."""
