@@ -294,11 +294,11 @@ FP8_TP_ARCH = dict(
 )
 
 
-def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
-    """One rank of the FP8 model at tp: its FP8 shards against the slices of the unsharded FP8 model, its greedy
-    tokens."""
+def fp8_rank_checks(rank: int, tp: int, ep: int, moe: str, port: int, queue) -> None:
+    """One rank of the FP8 model at tp x ep: its FP8 shards against the slices of the unsharded FP8 model, its
+    greedy tokens with the `moe` kernels."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * ep), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -307,7 +307,7 @@ def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
 
     cfg = tiny_config(**FP8_TP_ARCH)
     fp8 = fp8_weight_names(cfg, "fp8")
-    layout = parallel.init(tp, 1, "cpu")
+    layout = parallel.init(tp, ep, "cpu")
     full = dict(build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8).named_parameters())
     model = build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8, layout=layout)
     specs = model.shard_specs()
@@ -331,15 +331,18 @@ def fp8_rank_checks(rank: int, tp: int, port: int, queue) -> None:
         )
     ]  # fmt: skip
     model.setup_caches(2, 32)
+    model.set_kernels({"moe": moe})
     out["greedy"] = generate(ReferenceRunner(model, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
     queue.put(out if rank == 0 else None)
     parallel.shutdown()
 
 
 @pytest.mark.slow
-def test_fp8_tensor_parallel_equals_one_process():
-    # model.weights=fp8 at tp = 2 (random weights): each rank holds exactly its slice of the unsharded FP8 model,
-    # scales included, and greedy-decodes the same tokens as one process with it
+@pytest.mark.parametrize("tp,ep,moe", [(2, 1, "torch"), (1, 2, "torch"), (2, 1, "triton")])
+def test_fp8_sharded_equals_one_process(tp, ep, moe):
+    # model.weights=fp8 at tp = 2 or ep = 2 (random weights): each rank holds exactly its slice of the unsharded FP8
+    # model, scales included (expert parallel: whole experts and their scales), and greedy-decodes the same tokens
+    # as one process with it; tp also on the Triton MoE kernels (CPU interpreter: fp8 experts as one GPU runs them)
     from qmoe.model import fp8_weight_names
 
     cfg = tiny_config(**FP8_TP_ARCH)
@@ -347,8 +350,8 @@ def test_fp8_tensor_parallel_equals_one_process():
     one.setup_caches(2, 32)
     with torch.no_grad():
         expected = generate(ReferenceRunner(one, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
-    got = spawn_ranks(fp8_rank_checks, 2, 2)
-    assert len(got["fp8_sharded"]) > 0  # the layout shards fp8 tensors, rows and K columns
+    got = spawn_ranks(fp8_rank_checks, tp * ep, tp, ep, moe)
+    assert len(got["fp8_sharded"]) > 0  # the layout shards fp8 tensors (tp: rows and K columns; ep: experts)
     assert got["mismatch"] == []
     assert got["greedy"] == expected
 
@@ -398,10 +401,13 @@ def test_397b_layouts_split_and_fit(tp, ep, dtype):
             "model.arch.num_key_value_heads: 3 is not divisible by parallel.tp=2, nor parallel.tp by it",
         ),
         (["parallel.tp=0"], "parallel.tp: must be >= 1"),
-        (["parallel.ep=2", "model.weights=fp8"], "parallel.ep: fp8 weights have no expert-parallel path"),
         (["parallel.tp=2", "model.weights=fp8"], "model.arch.head_dim: fp8 needs each rank's share of the 128"),
+        (
+            ["parallel.ep=2", "model.weights=fp8", "kernels.moe=triton"],
+            "kernels.moe: fp8 experts under expert parallel run the Triton kernels' FP8 x FP8 path",
+        ),
     ],
-    ids=["triton_sampler", "host", "kv_heads", "tp0", "fp8_ep", "fp8_k_split"],
+    ids=["triton_sampler", "host", "kv_heads", "tp0", "fp8_k_split", "fp8_ep_triton"],
 )
 def test_parallel_settings_are_one_line(overrides, line, monkeypatch):
     """Under torchrun (WORLD_SIZE=2) the config says in one line what has no sharded path."""

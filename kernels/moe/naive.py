@@ -89,17 +89,21 @@ def moe_block(
     return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
 
 
-def ep_moe_block(x, proj, w13, w2, shared_down_proj, top_k: int, first: int) -> torch.Tensor:
+def ep_moe_block(
+    x, proj, w13, w2, shared_down_proj, top_k: int, first: int, w13_scale=None, w2_scale=None, shared_down_scale=None
+) -> torch.Tensor:  # fmt: skip
     """Expert parallel: x [M, H], proj [M, E + 2 Is + 1] (the whole router, every rank routes; this rank's shared
     slices), w13 [El, 2I, H] / w2 [El, H, I] the experts first .. first + El - 1 -> [M, H], this rank's share:
-    pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares)."""
+    pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares). The scales:
+    those of fp8 weights, as moe_block's."""
     E = proj.shape[-1] - 2 * shared_down_proj.shape[1] - 1
     router_logits, gate, up, gate_logit = split_projection(proj, E, shared_down_proj.shape[1])
     weights, ids = route(router_logits, top_k)  # [M, K] over all E experts
     local = ids - first
     mine = (local >= 0) & (local < w13.shape[0])
     weights, local = torch.where(mine, weights, 0), torch.where(mine, local, 0)
-    return fused_moe(x, w13, w2, weights, local) + shared_expert(gate, up, shared_down_proj, gate_logit)
+    routed = fused_moe(x, w13, w2, weights, local, w13_scale, w2_scale)
+    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
 
 
 # a custom op, so the block exports with a dynamic token count as the unsharded one does
@@ -112,8 +116,11 @@ def moe_block_ep(
     shared_down_proj: torch.Tensor,
     top_k: int,
     first: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return ep_moe_block(x, proj, w13, w2, shared_down_proj, top_k, first)
+    return ep_moe_block(x, proj, w13, w2, shared_down_proj, top_k, first, w13_scale, w2_scale, shared_down_scale)
 
 
 @moe_block_ep.register_fake

@@ -1146,12 +1146,12 @@ def moe_block(
 # ----------------------------------------------------------------------------------------------- expert parallel
 
 
-def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first):
+def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales):
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if x.shape[0] == 1:
-        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, first=first)
-    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, first=first)
+        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales, first=first)
+    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=first)
 
 
 @torch.library.custom_op("qmoe::moe_block_ep_triton", mutates_args=())
@@ -1163,12 +1163,15 @@ def _moe_block_ep_op(
     shared_down_proj: torch.Tensor,
     top_k: int,
     first: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first)
+    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, w13_scale, w2_scale, shared_down_scale)
 
 
 @_moe_block_ep_op.register_fake
-def _(x, *args):
+def _(x, *args, **kwargs):
     return torch.empty_like(x)
 
 
@@ -1180,11 +1183,12 @@ def moe_block_ep(
     shared_down_proj: torch.Tensor,  # [H, Is]: this rank's slice of the shared expert
     top_k: int,
     first: int,
+    *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights, or none (as moe_block)
 ) -> torch.Tensor:
     """Expert parallel: this rank's share of the block -> [M, H]; pairs routed to another rank's experts weigh 0
     (the all-reduce after the block adds the other shares). M = 1 on the GEMV kernels (a program whose expert
     another rank holds loads nothing), M > 1 on the aligned grouped path with the other ranks' pairs grouped
-    after this rank's experts and skipped. Dense weights (fp8 has no expert-parallel layout)."""
+    after this rank's experts and skipped."""
     if kernels.tracing():
-        return _moe_block_ep_op(x, proj, w13, w2, shared_down_proj, top_k, first)
-    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first)
+        return _moe_block_ep_op(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)
+    return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)

@@ -222,15 +222,13 @@ class SparseMoE(nn.Module):
         rows = x.flatten(0, 1)  # [M, H]
         e, shared_down = self.experts, self.shared_expert.down_proj
         proj = proj.flatten(0, 1)
+        scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
+        scales = scales if any(s is not None for s in scales) else ()  # the dense call as it was (exported graphs)
+        args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)
         if e.gate_up_proj.shape[0] < self.num_experts:  # expert parallel: this rank's experts' share
-            args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k, e.first)
-            out = ops["moe"].moe_block_ep(*args)
+            out = ops["moe"].moe_block_ep(*args, e.first, *scales)
         else:
-            scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
-            args = (rows, proj, e.gate_up_proj, e.down_proj, shared_down.weight, self.top_k)
-            if any(s is not None for s in scales):  # the dense call stays as it was (exported graphs)
-                args += scales
-            out = ops["moe"].moe_block(*args)
+            out = ops["moe"].moe_block(*args, *scales)
         return collectives.reduced(out, self.group).view_as(x)
 
 

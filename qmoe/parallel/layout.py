@@ -64,8 +64,8 @@ def heads_error(n: int, tp: int) -> str | None:
 
 def fp8_layout_errors(arch: dict, tp: int, ep: int, block: int = 128) -> list[str]:
     """'model.arch.<field>: ...' for each row-parallel projection whose K would be split off the fp8 scale blocks
-    (every `block` columns): a rank then holds exactly the slice of the unsharded FP8 model (values and scales).
-    Expert parallel has no FP8 path (its MoE is the torch op without scales)."""
+    (every `block` columns): a rank then holds exactly the slice of the unsharded FP8 model (values and scales;
+    expert parallel slices whole experts, whose blocks stay whole)."""
     world = tp * ep
     k_splits = [  # (field, K of the row-parallel projection it sets, ways it is split)
         ("head_dim", arch["num_attention_heads"] * arch["head_dim"], tp),  # attention o_proj
@@ -73,8 +73,7 @@ def fp8_layout_errors(arch: dict, tp: int, ep: int, block: int = 128) -> list[st
         ("moe_intermediate_size", arch["moe_intermediate_size"], tp),  # the experts' down
         ("shared_expert_intermediate_size", arch["shared_expert_intermediate_size"], world),  # the shared down
     ]
-    errors = ["parallel.ep: fp8 weights have no expert-parallel path (its MoE runs the torch op without fp8 scales); "
-              "use parallel.ep=1"] if ep > 1 else []  # fmt: skip
+    errors = []
     for field, k, ways in k_splits:
         if (k // ways) % block:
             errors.append(f"model.arch.{field}: fp8 needs each rank's share of the {k} columns it sets to be a "

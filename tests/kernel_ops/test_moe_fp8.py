@@ -304,3 +304,29 @@ def test_fp8_sorted_prefill_gpu_35b(M):
     again = poisoned(M * K, H, dtype=torch.bfloat16, device="cuda")
     moe.routed_partials_into(x, w13, w2, weights, ids, h.clone(), again, None, s13, s2)
     assert torch.equal(again, partials)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fp8_moe_block_gemv_expert_parallel(rank):
+    # M = 1 on the FP8 GEMV kernels under expert parallel (2 ranks): a rank's experts and their scales are a slice
+    # along E, its shared expert 128 of the 256 intermediate columns (one scale block); against the reference of
+    # that share on the dequantized weights, with scratch poisoned and the scales NaN-tailed
+    H, E, I, Is, K = 300, 8, 136, 256, 3
+    (x, proj, w13, w2, shared_down), (s13, s2, s_shared) = fp8_block_args(1, H, E, I, Is, F32, True, seed=rank)
+    El, Isl = E // 2, Is // 2
+    first, cols = rank * El, slice(rank * Isl, (rank + 1) * Isl)
+    router, gate, up, gate_logit = naive.split_projection(proj, E, Is)
+    proj = torch.cat([router, gate[:, cols], up[:, cols], gate_logit], 1)
+    experts = slice(first, first + El)
+    args = (x, proj, w13[experts], w2[experts], shared_down[:, cols].contiguous())
+    scales = (nan_tailed(s13[experts]), nan_tailed(s2[experts]), nan_tailed(s_shared[:, rank : rank + 1]))
+    config = gemv_config(128, 64)
+    scratch = decode_poisoned(x, I, K, config)
+    out = moe.moe_block_decode(*args, K, config, scratch, *scales, first=first)
+    f64 = torch.float64
+    ref = naive.ep_moe_block(
+        x.double(), proj.double(), dequantize(args[2], scales[0], f64), dequantize(args[3], scales[1], f64),
+        dequantize(args[4], scales[2], f64), K, first,
+    )  # fmt: skip
+    assert rel_err(out, ref) < TOL[F32]
+    assert rel_err(moe.moe_block_ep(*args, K, first, *scales), ref) < TOL[F32]  # the default GEMV config
