@@ -198,12 +198,6 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
             "model.weights",
             "fp8 with tp x ep > 1 runs random weights only (a sharded checkpoint load reads bf16); use auto or dense",
         )
-        require(
-            ep == 1 or choice["moe"] == "torch",
-            "kernels.moe",
-            "fp8 experts under expert parallel run the Triton kernels' FP8 x FP8 path from 2 rows on, where one GPU "
-            "runs fp8 x bf16 up to 64 rows (other tokens); with parallel.ep > 1 and fp8 use kernels.moe=torch",
-        )
         errors = fp8_layout_errors(OmegaConf.to_container(cfg.model.arch), tp, ep)
         if errors:
             raise ConfigError(errors[0])

@@ -426,20 +426,18 @@ def _shared_acc(
 # ----------------------------------------------------------------------------------------------- decode (M <= 64)
 
 
-@fast_launch
 @triton.jit
-def _moe_up_decode_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS, w13_s_ptr,
+def _up_decode_expert(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
+    w13_s_ptr, expert, routed_as,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr,
     BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr, PDL: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr,
 ):  # fmt: skip
-    allow_dependents(PDL)
-    wait_for_producers(PDL)
+    """The up tile of w13's expert `expert` (the router's expert `routed_as`) for the tokens routed to it."""
     # Axis 0 walks N tiles of one expert, so neighbouring programs share the logits and activations in L2.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.program_id(1)
-    ranks, nums = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, expert, BLOCK_T, BLOCK_E, CHUNK_T)
+    ranks, nums = _expert_ranks(proj_ptr, stride_pm, stride_pe, M, E, routed_as, BLOCK_T, BLOCK_E, CHUNK_T)
     routed = ranks < TOP_K  # [BLOCK_T]
     offs_t = tl.arange(0, BLOCK_T)
     pair_ids = offs_t * TOP_K + ranks
@@ -457,6 +455,59 @@ def _moe_up_decode_kernel(
         pairs = tl.sum(tl.where(sel, pair_ids[None, :], 0), 1)
         row_mask = tl.sum(sel.to(tl.int32), 1) > 0
         _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, EXPERTS_FP8)
+
+
+@triton.jit
+def _mark_other_ranks_pairs(
+    proj_ptr, weights_ptr, ids_ptr, M, E, stride_pm, stride_pe, FIRST, EL,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Expert parallel: for tokens program_id(0), + num_programs(0), ...: each pair routed to an expert this rank
+    does not hold gets the id EL (the down kernel writes its partial as 0) and its softmax numerator exp(logit -
+    max logit), as _expert_ranks computes it for the pairs of this rank's experts (the down kernel normalises a
+    token's K numerators)."""
+    offs_top = tl.arange(0, BLOCK_TOP)
+    for t in range(tl.program_id(0), M, tl.num_programs(0)):
+        logits_ptr = proj_ptr + t * stride_pm  # t < M <= 64: no overflow
+        ids, _ = _token_topk(logits_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+        logits = tl.load(logits_ptr + ids * stride_pe, mask=offs_top < TOP_K, other=0.0).to(tl.float32)
+        top = tl.max(tl.where(offs_top < TOP_K, logits, float("-inf")), 0)  # the token's max logit: its top-1
+        other = (offs_top < TOP_K) & ((ids < FIRST) | (ids >= FIRST + EL))
+        tl.store(ids_ptr + t * TOP_K + offs_top, tl.zeros([BLOCK_TOP], tl.int32) + EL, mask=other)
+        tl.store(weights_ptr + t * TOP_K + offs_top, tl.exp(logits - top), mask=other)
+
+
+@fast_launch
+@triton.jit
+def _moe_up_decode_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS, w13_s_ptr,
+    FIRST, EL,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK_T: tl.constexpr, BLOCK_COUNTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EXPERTS_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (N tile, expert): the expert's up tile for every token routed to it. EP (expert parallel): w13
+    holds the router's experts FIRST .. FIRST + EL - 1; the grid's extra expert column EL marks the pairs of the
+    other ranks' experts (_mark_other_ranks_pairs)."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
+    expert = tl.program_id(1)
+    if EP:
+        if expert == EL:
+            _mark_other_ranks_pairs(proj_ptr, weights_ptr, ids_ptr, M, E, stride_pm, stride_pe, FIRST, EL, TOP_K,
+                                    BLOCK_TOP, BLOCK_E)  # fmt: skip
+        else:
+            _up_decode_expert(
+                x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe,
+                NUM_COUNTERS, w13_s_ptr, expert, expert + FIRST, TOP_K, BLOCK_E, BLOCK_T, CHUNK_T, BLOCK_COUNTERS,
+                BLOCK_M, BLOCK_N, BLOCK_K, EXPERTS_FP8,
+            )  # fmt: skip
+    else:
+        _up_decode_expert(
+            x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, M, E, H, I, stride_pm, stride_pe, NUM_COUNTERS,
+            w13_s_ptr, expert, expert, TOP_K, BLOCK_E, BLOCK_T, CHUNK_T, BLOCK_COUNTERS, BLOCK_M, BLOCK_N, BLOCK_K,
+            EXPERTS_FP8,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -480,14 +531,38 @@ def _decode_rows(match, pos, r0, BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr):
     return pairs, tl.sum(sel.to(tl.int32), 1) > 0
 
 
+@triton.jit
+def _down_decode_pairs(
+    h_ptr, w2_ptr, w2_s_ptr, weights_ptr, partials_ptr, expert, match, pos, count, offs_n, n_mask, H, I,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, EXPERTS_FP8: tl.constexpr,
+):  # fmt: skip
+    """The weighted down tile of w2's expert `expert` for its `count` pairs (match, pos: _decode_slot's)."""
+    w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
+    s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
+    for r0 in range(0, count, BLOCK_M):
+        pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
+        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, EXPERTS_FP8)
+        # The routing weight: the pair's softmax numerator over the sum of its token's K numerators.
+        offs_top = tl.arange(0, BLOCK_TOP)
+        token_pairs = (pairs // TOP_K * TOP_K)[:, None] + offs_top[None, :]  # [BLOCK_M, BLOCK_TOP]
+        nums = tl.load(weights_ptr + token_pairs, mask=row_mask[:, None] & (offs_top < TOP_K)[None, :], other=0.0)
+        scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0) / tl.sum(nums, 1)
+        rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
+        tl.store(
+            partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
+            mask=row_mask[:, None] & n_mask[None, :],
+        )  # fmt: skip
+
+
 @fast_launch
 @triton.jit
 def _moe_down_decode_kernel(
     h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, M, E, H, I, IS, stride_pm, stride_pe,
-    w2_s_ptr, sd_s_ptr,
+    w2_s_ptr, sd_s_ptr, EL,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, P_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, PDL: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
     wait_for_producers(PDL)
@@ -516,23 +591,22 @@ def _moe_down_decode_kernel(
     else:
         expert, match, pos, count, owner = _decode_slot(ids_ptr, slot - 1, P, P_BLOCK)
         if owner:
-            w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
-            s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
-            for r0 in range(0, count, BLOCK_M):
-                pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
-                acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, EXPERTS_FP8)
-                # The routing weight: the pair's softmax numerator over the sum of its token's K numerators.
-                offs_top = tl.arange(0, BLOCK_TOP)
-                token_pairs = (pairs // TOP_K * TOP_K)[:, None] + offs_top[None, :]  # [BLOCK_M, BLOCK_TOP]
-                nums = tl.load(
-                    weights_ptr + token_pairs, mask=row_mask[:, None] & (offs_top < TOP_K)[None, :], other=0.0
-                )
-                scale = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0) / tl.sum(nums, 1)
-                rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
-                tl.store(
-                    partials_ptr + rows[:, None] * H + offs_n[None, :], acc * scale[:, None],
-                    mask=row_mask[:, None] & n_mask[None, :],
-                )  # fmt: skip
+            if EP:
+                if expert == EL:  # the pairs of the other ranks' experts: partials of 0
+                    for r0 in range(0, count, BLOCK_M):
+                        pairs, row_mask = _decode_rows(match, pos, r0, BLOCK_M, P_BLOCK)
+                        rows = (pairs + pairs // TOP_K).to(tl.int64)  # t * (K + 1) + k
+                        zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                        tl.store(partials_ptr + rows[:, None] * H + offs_n[None, :], zero,
+                                 mask=row_mask[:, None] & n_mask[None, :])  # fmt: skip
+                else:
+                    _down_decode_pairs(h_ptr, w2_ptr, w2_s_ptr, weights_ptr, partials_ptr, expert, match, pos, count,
+                                       offs_n, n_mask, H, I, TOP_K, BLOCK_TOP, P_BLOCK, BLOCK_M, BLOCK_K,
+                                       EXPERTS_FP8)  # fmt: skip
+            else:
+                _down_decode_pairs(h_ptr, w2_ptr, w2_s_ptr, weights_ptr, partials_ptr, expert, match, pos, count,
+                                   offs_n, n_mask, H, I, TOP_K, BLOCK_TOP, P_BLOCK, BLOCK_M, BLOCK_K,
+                                   EXPERTS_FP8)  # fmt: skip
     # Every program arrives once on its N tile (acq_rel: its partials are visible to whoever sees the count);
     # the last of the P + 1 sums the tile's partials of every token in k order. The barrier orders all threads'
     # stores before the one thread's release.
@@ -576,12 +650,13 @@ def moe_block_decode(
 ) -> torch.Tensor:  # fmt: skip
     """The block for M <= DECODE_MAX_M in two launches. config / scratch (decode_scratch's dict) override the
     tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates). The scales:
-    those of fp8 weights (kernels/fp8.py), None for dense ones. first: expert parallel (moe_block_ep), on the
-    GEMV kernels only."""
+    those of fp8 weights (kernels/fp8.py), None for dense ones. first: expert parallel (moe_block_ep): w13 / w2
+    hold the router's experts first .. first + El - 1."""
     M, H = x.shape
-    E, I = w2.shape[0], w2.shape[2]
+    El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
-    config = config or get_config(M, E, H, I, w13.dtype)
+    E = El if first is None else proj.shape[1] - 2 * IS - 1  # the router's experts (expert parallel: all ranks')
+    config = config or get_config(M, El, H, I, w13.dtype)
     scratch = scratch or decode_scratch(x, I, top_k, config)
     h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
@@ -592,8 +667,6 @@ def moe_block_decode(
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
         flags = experts_fp8, shared_fp8
         return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags, first)
-    if first is not None:
-        raise ValueError("moe_block_decode: expert parallel runs the GEMV kernels (M = 1, BLOCK_M = 1) only")
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
@@ -601,17 +674,18 @@ def moe_block_decode(
     P = M * top_k
     num_counters = cdiv(H, down["BLOCK_N"])
     on = pdl(x)
-    _moe_up_decode_kernel[(cdiv(I, up["BLOCK_N"]), E)](
-        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters, w13_s,
-        TOP_K=top_k, BLOCK_E=next_power_of_2(E),
+    ep = first is not None  # the up grid's extra column marks the other ranks' pairs
+    _moe_up_decode_kernel[(cdiv(I, up["BLOCK_N"]), El + ep)](
+        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters, w13_s, first or 0, El,
+        TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), BLOCK_E=next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
         BLOCK_COUNTERS=next_power_of_2(num_counters), BLOCK_M=block_m, EXPERTS_FP8=experts_fp8,
-        PDL=on, launch_pdl=on, **up,
+        EP=ep, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
-        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(), w2_s, sd_s,
+        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(), w2_s, sd_s, El,
         TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), P_BLOCK=max(16, next_power_of_2(P)),
-        BLOCK_M=block_m, EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, PDL=on, launch_pdl=on, **down,
+        BLOCK_M=block_m, EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, EP=ep, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
     return out
 
@@ -1149,7 +1223,7 @@ def moe_block(
 def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales):
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    if x.shape[0] == 1:
+    if x.shape[0] <= DECODE_MAX_M:
         return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales, first=first)
     return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=first)
 
@@ -1186,9 +1260,10 @@ def moe_block_ep(
     *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights, or none (as moe_block)
 ) -> torch.Tensor:
     """Expert parallel: this rank's share of the block -> [M, H]; pairs routed to another rank's experts weigh 0
-    (the all-reduce after the block adds the other shares). M = 1 on the GEMV kernels (a program whose expert
-    another rank holds loads nothing), M > 1 on the aligned grouped path with the other ranks' pairs grouped
-    after this rank's experts and skipped."""
+    (the all-reduce after the block adds the other shares), on the kernels one GPU runs at that M: M = 1 the GEMV
+    kernels (a program whose expert another rank holds loads nothing), M <= 64 the decode kernels (a grid column
+    per expert of this rank, and one that marks the other ranks' pairs, whose partials the down kernel writes as
+    0), above the aligned grouped path (the other ranks' pairs grouped after this rank's experts and skipped)."""
     if kernels.tracing():
         return _moe_block_ep_op(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)
     return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)

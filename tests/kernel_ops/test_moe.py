@@ -192,39 +192,34 @@ def rank_share(args, ep, rank):
     return (x, proj_r, w13p[first : first + El], w2p[first : first + El], shared_down[:, cols].contiguous()), first
 
 
-# (M, ep, reason): each rank's share against the reference's, and the shares' sum against the whole block
+# (M, ep, router, reason): each rank's share against the reference's, and the shares' sum against the whole block
 EP_CASES = [
-    (1, 2, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
-    (1, 4, "one token, 4 ranks: most of a token's experts are elsewhere"),
-    (5, 2, "M > 1: the aligned path, the other rank's pairs grouped after this rank's experts and skipped"),
-    (70, 4, "prefill-sized M on 4 ranks"),
+    (1, 2, None, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
+    (1, 4, None, "one token, 4 ranks: most of a token's experts are elsewhere"),
+    (5, 2, None, "M <= 64: the decode kernels, the other rank's pairs marked by the grid's extra column"),
+    (20, 2, same_experts([0, 1, 2]), "every token on rank 0's experts: rank 1 computes nothing but zeros"),
+    (70, 4, None, "prefill-sized M on 4 ranks: the aligned path, the other ranks' pairs grouped and skipped"),
 ]
 
 
-@pytest.mark.parametrize("M,ep,reason", EP_CASES, ids=[c[-1].split(":")[0] for c in EP_CASES])
-def test_moe_block_expert_parallel(M, ep, reason):
+@pytest.mark.parametrize("M,ep,router,reason", EP_CASES, ids=[c[-1].split(":")[0] for c in EP_CASES])
+def test_moe_block_expert_parallel(M, ep, router, reason):
     H, E, I, Is, K = 47, 12, 23, 16, 3
-    args = block_args(M, H, E, I, Is, torch.float32, seed=M)
+    args = block_args(M, H, E, I, Is, torch.float32, seed=M, router=router)
     total = torch.zeros(M, H, dtype=torch.float64)
     for rank in range(ep):
         share_args, first = rank_share(args, ep, rank)
-        if M == 1:  # small tiles and poisoned scratch: h rows of the other ranks' experts are never read
-            scratch = decode_poisoned(args[0], I, K, GEMV_SMALL)
-            small = moe.moe_block_decode(*share_args, K, config=GEMV_SMALL, scratch=scratch, first=first)
-        out = moe.moe_block_ep(*share_args, K, first)  # the default config (M = 1: the GEMV one)
         x, proj, w13, w2, shared_down = share_args
         ref = naive.ep_moe_block(x.double(), proj.double(), w13.double(), w2.double(), shared_down.double(), K, first)
-        assert rel_err(out, ref) < TOL[torch.float32], (reason, rank)
-        if M == 1:
+        if M <= moe.DECODE_MAX_M:  # small tiles and poisoned scratch: ids, weights and partials of every pair set
+            config = GEMV_SMALL if M == 1 else SMALL
+            scratch = decode_poisoned(args[0], I, K, config)
+            small = moe.moe_block_decode(*share_args, K, config=config, scratch=scratch, first=first)
             assert rel_err(small, ref) < TOL[torch.float32], (reason, rank)
+        out = moe.moe_block_ep(*share_args, K, first)  # the default configs
+        assert rel_err(out, ref) < TOL[torch.float32], (reason, rank)
         total += out.double()
     assert rel_err(total, block_reference(args, K)) < TOL[torch.float32], reason
-
-
-def test_moe_block_decode_refuses_expert_parallel_off_the_gemv_path():
-    args = block_args(2, 32, 8, 16, 8, torch.float32)
-    with pytest.raises(ValueError, match="expert parallel runs the GEMV kernels"):
-        moe.moe_block_decode(*args, 2, config=SMALL, first=0)
 
 
 def test_moe_block_gemv_takes_a_register_cap():
