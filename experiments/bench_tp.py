@@ -16,6 +16,8 @@ Rows, in order (JSON rewritten after each, rank 0 writes it):
 - profile: the ledger's collectives against the profiler's NCCL kernels (35B, copy_elided, graph off, 4 tokens:
   every collective of the run, prefill and decode, is one NCCL kernel).
 - 122b: decode batch 1 (target <= 3.5 ms/token) and batch 32 (tok/s), prompt 128, when the weights fit.
+- layouts: the routed experts split inside each expert (parallel.tp=N, the default) against whole experts per
+  rank (parallel.tp=1 parallel.ep=N), 35B at batch 1 and 32, the 35b row's settings: which is faster where.
 The all-reduce table: per decode token, count x µs per call (from the allreduce row) against the step's time.
 """
 
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 DEVICE = "cpu" if SMOKE else "cuda"
 FAST = ["runtime=cuda_native", "export=copy_elided", "kernels=triton", "kernels.sampling=torch"]
-ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b")
+ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b", "layouts")
 
 
 def config(*overrides):
@@ -164,7 +166,8 @@ def main():
     layout = parallel.init(world, 1, DEVICE)
     model_35b, model_122b = ("qwen35_moe_tiny",) * 2 if SMOKE else ("qwen35_moe", "qwen35_moe_122b")
     fast = ["kernels=torch"] if SMOKE else FAST
-    common = [f"parallel.tp={world}", "prompt.length=128", f"generation.max_new_tokens={args.new_tokens}"]
+    common = ["prompt.length=128", f"generation.max_new_tokens={args.new_tokens}"]
+    tp_only = [f"parallel.tp={world}"]  # every row's layout but the layouts row's expert-parallel runs
     doc = {"rows": [], "checks": [], "allreduce_us": {}, "targets": [], "tp": world}
     command = f"torchrun --nproc-per-node {world} experiments/bench_tp.py {' '.join(sys.argv[1:])}"
 
@@ -172,9 +175,9 @@ def main():
         if rank0():
             write_json(args.out, "bench_tp", DEVICE, command=command, **doc)
 
-    def run(label, *overrides):
+    def run(label, *overrides, layout=tp_only):
         t0 = time.perf_counter()
-        results = run_experiment(config(*common, *overrides))
+        results = run_experiment(config(*common, *layout, *overrides))
         row = decode_row(label, results)
         row["wall_s"] = time.perf_counter() - t0
         doc["rows"].append(row)
@@ -240,7 +243,7 @@ def main():
 
         overrides = [f"model={model_35b}", *FAST, "runtime.cuda_graph=false", "runtime.warmup_steps=0"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            results = run_experiment(config(*common[:2], "generation.max_new_tokens=4", *overrides))
+            results = run_experiment(config(*tp_only, common[0], "generation.max_new_tokens=4", *overrides))
         inter = results["transfers"]["inter_gpu"]
         decode_tokens = sum(map(len, results["generated"]["token_ids"])) - len(results["generated"]["token_ids"])
         ledger = sum(v["count"] for v in inter["prefill"].values()) + round(
@@ -259,6 +262,19 @@ def main():
                     target(f"122B TP{world} decode ms/token, batch 1", row["decode_ms_p50"], 3.5, True)
                 )
         save()
+
+    if "layouts" in rows:
+        free_models()
+        fastest = {}
+        for batch in (1, 32):
+            for name, layout in (("tp", tp_only), ("ep", ["parallel.tp=1", f"parallel.ep={world}"])):
+                row, _ = run(f"35b_{name}{world}_b{batch}", f"model={model_35b}", *fast,
+                             f"generation.batch_size={batch}", layout=layout)  # fmt: skip
+                fastest.setdefault(batch, []).append((row["decode_ms_p50"], name))
+        doc["layouts_fastest"] = {f"batch {b}": min(t)[1] for b, t in fastest.items()}
+        save()
+        if rank0():
+            print(f"layouts, fastest: {doc['layouts_fastest']}", flush=True)
 
     # where the all-reduce time goes: count per token x µs per call, against the step
     table = []
