@@ -17,6 +17,10 @@ if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then  # installed once p
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# Triton's compile cache in the tree (.triton_cache, git-ignored), packed into $OUT/triton_cache.tgz at the end: unpack
+# it into the checkout and pass it in `carry`, and the next call finds the kernels this one compiled (a kernel whose
+# source changed compiles again: the cache is keyed on it). Compiles take minutes of a call under triton 3.6.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 log="$OUT/session.log"
 # Pass QMOE_GIT_COMMIT=<the commit that runs>: the device's .git can be the session's start while the tree is newer
 # (seen 2026-12-03: rev-parse printed f22f8bf for 09dba6c's code). Unset, the results say HEAD-dirty.
@@ -80,9 +84,12 @@ except Exception as e:
     tune_loop_fp8) run_stage tune_loop_fp8 python3 experiments/tune_decode_loop.py --weights fp8 --write-tables --out results/tune_decode_loop_fp8.json ;;
     run_122b_fp8) STAGE_TIMEOUT=400 run_stage run_122b_fp8 bash -c "python3 run.py model=qwen35_moe_122b runtime=cuda_native model.weights=fp8 prompt.length=128 generation.max_new_tokens=128 logger=none hydra.run.dir=/tmp/run_122b_fp8 && cp /tmp/run_122b_fp8/results.json results/run_122b_fp8_decode.json" ;;
     some_tests) run_stage some_tests python3 -m pytest -q -m gpu -n 8 --timeout 300 -p no:cacheprovider ${TESTS:-tests/kernel_ops} ;;
-    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile} ;;
+    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile,layouts} ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done
+if [ -d "$TRITON_CACHE_DIR" ] && [ "$(du -sm "$TRITON_CACHE_DIR" | cut -f1)" -le 48 ]; then  # carry's 64 MiB
+  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
+fi
 tail -c 6000 "$log"
 printf '%s\n' "${status[@]}"
