@@ -506,3 +506,25 @@ def test_captured_collectives_are_recorded_once_per_replay():
     assert [(c.kind, c.nbytes, c.method, c.group) for c in ledger.collectives] == [
         ("all_reduce", 4096, "decode", "tp")
     ] * 3
+
+
+@pytest.mark.slow
+def test_bench_tp_layouts_row_runs_both_layouts(tmp_path):
+    # bench_tp's layouts row (its --smoke: gloo, the tiny model): TP and EP at batch 1 and 32, each run in the
+    # layout it names (EP has no mixer all-reduce: fewer per token), and the faster of the two per batch
+    out = tmp_path / "bench_tp.json"
+    p = torchrun(2, "experiments/bench_tp.py", "--smoke", "--rows", "layouts", "--new-tokens", "3", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["label"]: r for r in doc["rows"]}
+    assert sorted(rows) == ["35b_ep2_b1", "35b_ep2_b32", "35b_tp2_b1", "35b_tp2_b32"]
+    for label, r in rows.items():
+        tp, ep = (2, 1) if "_tp2_" in label else (1, 2)
+        assert r["config"]["parallel"] == {"tp": tp, "ep": ep} and r["batch"] == int(label.split("_b")[-1])
+    for batch in (1, 32):
+        tp_ar, ep_ar = (
+            rows[f"35b_{n}2_b{batch}"]["inter_gpu_per_decode_token"]["all_reduce"]["count"] for n in ("tp", "ep")
+        )
+        assert ep_ar < tp_ar
+    assert set(doc["layouts_fastest"]) == {"batch 1", "batch 32"}
+    assert set(doc["layouts_fastest"].values()) <= {"tp", "ep"}
