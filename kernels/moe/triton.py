@@ -44,6 +44,11 @@ per 128-column sub-step to that sub-step's summed products, so a step keeps BLOC
 round trip per 128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one
 [BLOCK_N, Is] tile, take a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes
 on the torch path.
+Expert parallel (moe_block_ep): w13 / w2 hold the router's experts first .. first + El - 1; every path above runs
+with an EP constexpr (off: the unsharded code, compiled as before). M = 1: a program whose expert another rank
+holds does nothing, the down kernel masks those lanes; M <= 64: the up grid's extra expert column El marks the
+other ranks' pairs (id El, their softmax numerators) and the down kernel writes their partials as 0; prefill: those
+pairs are grouped after this rank's experts (align_pairs over El + 1 groups) and skipped, their partials 0.
 Launch configs come from configs/<gpu>.json (experiments/tune_moe.py, tune_decode_loop.py), keyed by (E, H, I, weight
 dtype, M bucket); each kernel's part holds BLOCK_N, BLOCK_K, num_warps, num_stages and optionally maxnreg (Triton's
 register cap per thread, a launch option);
