@@ -338,11 +338,11 @@ def fp8_rank_checks(rank: int, tp: int, ep: int, moe: str, port: int, queue) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,moe", [(2, 1, "torch"), (1, 2, "torch"), (2, 1, "triton"), (1, 2, "triton")])
+@pytest.mark.parametrize("tp,ep,moe", [(2, 1, "torch"), (1, 2, "torch"), (1, 2, "triton")])
 def test_fp8_sharded_equals_one_process(tp, ep, moe):
     # model.weights=fp8 at tp = 2 or ep = 2 (random weights): each rank holds exactly its slice of the unsharded FP8
     # model, scales included (expert parallel: whole experts and their scales), and greedy-decodes the same tokens
-    # as one process with it; both also on the Triton MoE kernels (CPU interpreter)
+    # as one process with it; ep also on the Triton MoE kernels (CPU interpreter, a minute)
     from qmoe.model import fp8_weight_names
 
     cfg = tiny_config(**FP8_TP_ARCH)
