@@ -59,6 +59,12 @@ def fused_moe(
     return out
 
 
+def router_experts(proj: torch.Tensor, shared_intermediate: int) -> int:
+    """The router's expert count E in the fused projection [M, E + 2 Is + 1] (under expert parallel: every rank's
+    experts, more than this rank holds)."""
+    return proj.shape[-1] - 2 * shared_intermediate - 1
+
+
 def split_projection(proj: torch.Tensor, num_experts: int, shared_intermediate: int):
     """The fused input projection [M, E + 2 Is + 1] -> (router logits [M, E], shared gate [M, Is], shared up
     [M, Is], shared-expert gate logit [M, 1]): the row order of the model's SparseMoE.in_proj."""
@@ -96,7 +102,7 @@ def ep_moe_block(
     slices), w13 [El, 2I, H] / w2 [El, H, I] the experts first .. first + El - 1 -> [M, H], this rank's share:
     pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares). The scales:
     those of fp8 weights, as moe_block's."""
-    E = proj.shape[-1] - 2 * shared_down_proj.shape[1] - 1
+    E = router_experts(proj, shared_down_proj.shape[1])
     router_logits, gate, up, gate_logit = split_projection(proj, E, shared_down_proj.shape[1])
     weights, ids = route(router_logits, top_k)  # [M, K] over all E experts
     local = ids - first

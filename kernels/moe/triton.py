@@ -67,7 +67,7 @@ import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
 from kernels.launch import cdiv, fast_launch, next_power_of_2
-from kernels.moe.naive import split_projection
+from kernels.moe.naive import router_experts, split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
@@ -660,7 +660,7 @@ def moe_block_decode(
     M, H = x.shape
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
-    E = El if first is None else proj.shape[1] - 2 * IS - 1  # the router's experts (expert parallel: all ranks')
+    E = router_experts(proj, IS)  # expert parallel: every rank's experts
     config = config or get_config(M, El, H, I, w13.dtype)
     scratch = scratch or decode_scratch(x, I, top_k, config)
     h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
@@ -908,7 +908,7 @@ def moe_block_gemv(
     H = x.shape[1]
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
-    E = El if first is None else proj.shape[1] - 2 * IS - 1
+    E = router_experts(proj, IS)
     ep = {"FIRST": first or 0, "EL": El, "EP": first is not None}
     up, down = config["up"], config["down"]
     block_top = next_power_of_2(top_k)
@@ -1152,7 +1152,7 @@ def moe_block_prefill(
     parallel (moe_block_ep): w13 / w2 hold experts first .. first + El - 1 of the router's; the other pairs'
     partials are 0."""
     El, Is = w13.shape[0], shared_down_proj.shape[1]
-    E = El if first is None else proj.shape[1] - 2 * Is - 1
+    E = router_experts(proj, Is)
     router_logits, gate, up, gate_logit = split_projection(proj, E, Is)
     topk_weights, topk_ids = route(router_logits, top_k)
     (M, H), P = x.shape, topk_ids.numel()
