@@ -65,6 +65,7 @@ from kernels.sampling.naive import INVALID_TOKEN
 
 # Globals read inside kernels must be constexprs (triton 3.6 refuses plain ones).
 LOG2E = tl.constexpr(1.4426950408889634)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 INVALID = tl.constexpr(INVALID_TOKEN)
 KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
 # tl.sort's xor reductions run element by element in the CPU interpreter (minutes for the tests' batches); there
@@ -161,34 +162,62 @@ def _from_tiles(temperature, top_k, in_batch, tiles_on, split, G: tl.constexpr):
     return in_batch & (temperature > 0) & (top_k > 0) & (top_k <= split * G) & on
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["B", "temp_stride", "top_k_stride", "n_counters", "split", "chunk_blocks"])
-def _stats_kernel(
-    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, part_f_ptr, part_i_ptr, part_g_ptr,
-    part_t_ptr, n_tiles, counter_ptr, n_counters, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr,
-    G: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """1. stats of one chunk of R rows -> part_f [B, split, 5] and part_i [B, split, 3] (N_STATS_F / N_STATS_I),
-    the maxima of G groups of the chunk's slots -> part_g [B, split, G] and the maxima of its tiles
-    of TILE tokens -> part_t [B, n_tiles] (TILE = 0: none, and no rows from tiles); zeroes the rows' counters
-    (counter_ptr [n_counters, B]). Rows from tiles (_from_tiles) get no sum of p, sum or sum of squares (zeros:
-    launch 2a reads none of them). Every other statistic is kept per slot of the block and reduced once after the
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+STORE_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _store_in_place(ptrs, values, mask, ASM: tl.constexpr):
+    """tl.store(ptrs, values, mask) of fp32 values in the layout they have (ASM: inline PTX, one st.global per
+    element a thread holds, the same address from every thread that holds a copy). tl.store gives a reduction's
+    result the coalesced layout of its pointers, through shared memory: 2 barriers per block in a pass."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def _tile_maxima_pass(base, part_t_ptr, n_tiles, rows, row_ok, start, end, R: tl.constexpr, BLOCK: tl.constexpr,
+                      G: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """1, rows from tiles: the maxima of the chunk's tiles of TILE tokens -> part_t [B, n_tiles], and the maxima
+    of its G groups [R, G] (group g: the tiles g * T / G .. (g + 1) * T / G - 1 of every block, T = BLOCK / TILE:
+    the slots of _stats_pass's group g). All that launch 2a reads of a chunk without NaN or +inf, whose argmax no
+    row needs (the NaN-keeping max tells the caller, which then runs _stats_pass): a max per token, against the
+    ~20 instructions of _stats_pass's statistics (B = 256: the stats launch took 110 of the call's 146 us,
+    profile_sampling at 0006c4a)."""
+    T: tl.constexpr = BLOCK // TILE
+    g_max = tl.full((R, T), float("-inf"), tl.float32)
+    x_next = _load_block(base, start, end, row_ok, BLOCK)
+    for off in range(start, end, BLOCK):
+        x = x_next
+        x_next = _load_block(base, off + BLOCK, end, row_ok, BLOCK)
+        t_max = tl.reduce(tl.reshape(x, (R, T, TILE)), 2, _max_keep_nan) + 0.0  # [R, T]; -0.0 as +0.0
+        tiles = off // TILE + tl.arange(0, T)
+        t_ok = row_ok[:, None] & (tiles * TILE < end)[None, :]
+        _store_in_place(part_t_ptr + rows[:, None] * n_tiles + tiles[None, :], t_max, t_ok, STORE_ASM)
+        g_max = _max_keep_nan(g_max, t_max)
+    return tl.reduce(tl.reshape(g_max, (R, G, T // G)), 2, _max_keep_nan)
+
+
+@triton.jit
+def _stats_pass(base, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, rows, row_ok, chunk, split, start,
+                end, V, sampled, weighed, c, R: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
+                TILE: tl.constexpr):  # fmt: skip
+    """1, every other chunk: its statistics -> part_f [B, split, 5], part_i [B, split, 3] (N_STATS_F /
+    N_STATS_I), the maxima of its G groups of slots -> part_g [B, split, G], and (TILE > 0) of its tiles of TILE
+    tokens -> part_t [B, n_tiles]. Rows from tiles (not `weighed`) get no sum of p, sum or sum of squares (zeros:
+    launch 2a reads none of them). Every statistic is kept per slot of the block and reduced once after the
     loop; a tile is a warp's span of the block (32 threads x 4 tokens on the GPU), so its max needs no cross-warp
     reduction."""
-    allow_dependents(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    row_ok = rows < B
-    chunk = tl.program_id(1)
-    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
-    wait_for_producers(PDL)
-    temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
-    sampled = row_ok & (temperature > 0)
-    c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), LOG2E)[:, None]  # > 0: no 0 * inf below
     any_sampled = tl.max(sampled.to(tl.int32)) > 0
-    # rows from tiles (TILE > 0: launch 2 has them) read neither the sum of p nor the moments: a third of the
-    # loop's instructions, which bound this pass as much as its bytes do
-    k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0)
-    weighed = sampled & ~_from_tiles(temperature, k, row_ok, TILE, split, G)
     any_weighed = tl.max(weighed.to(tl.int32)) > 0
     best = tl.full((R, BLOCK), float("-inf"), tl.float32)  # per slot: max, its earliest index, NaN seen
     best_idx = tl.zeros((R, BLOCK), tl.int32) + V
@@ -203,7 +232,6 @@ def _stats_kernel(
     x_min = tl.full((R, BLOCK), float("inf"), tl.float32)
     s1 = tl.zeros((R, BLOCK), tl.float32)
     s2 = tl.zeros((R, BLOCK), tl.float32)
-    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     x_next = _load_block(base, start, end, row_ok, BLOCK)
     for off in range(start, end, BLOCK):
         x, x_next, cols, msk = _next_block(base, x_next, off, end, row_ok, BLOCK)
@@ -253,6 +281,58 @@ def _stats_kernel(
     g = tl.arange(0, G)
     group_max = tl.max(tl.reshape(best, (R, G, BLOCK // G)), 2)  # [R, G]
     tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["B", "temp_stride", "top_k_stride", "n_counters", "split", "chunk_blocks"])
+def _stats_kernel(
+    logits_ptr, stride_row, B, V, temp_ptr, temp_stride, top_k_ptr, top_k_stride, part_f_ptr, part_i_ptr, part_g_ptr,
+    part_t_ptr, n_tiles, counter_ptr, n_counters, split, chunk_blocks, R: tl.constexpr, BLOCK: tl.constexpr,
+    G: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """1. One chunk of R rows: _tile_maxima_pass when every row is from tiles (_from_tiles; TILE > 0) and the
+    chunk holds no NaN and no +inf, else _stats_pass (also after the first, which then stored nothing but tile
+    maxima that the second overwrites); zeroes the rows' counters (counter_ptr [n_counters, B]). A chunk of the
+    first kind stores max, no sums, smallest finite logit -FLT_MAX (a lower bound: launch 2a's list threshold
+    never goes below a finite logit) and as many finite logits as it has tokens (an upper bound: launch 2a takes
+    k' from its list when that is short, _tiles_kernel), first argmax V (no row from tiles reads it: their max
+    is finite)."""
+    allow_dependents(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    row_ok = rows < B
+    chunk = tl.program_id(1)
+    base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
+    wait_for_producers(PDL)
+    temperature = tl.load(temp_ptr + rows * temp_stride, mask=row_ok, other=0.0).to(tl.float32)
+    sampled = row_ok & (temperature > 0)
+    c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), LOG2E)[:, None]  # > 0: no 0 * inf below
+    k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0)
+    tiled = sampled & _from_tiles(temperature, k, row_ok, TILE, split, G)
+    start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    done = row_ok & False
+    if TILE > 0 and BLOCK // TILE >= G:
+        if tl.min((tiled | ~row_ok).to(tl.int32)) > 0:
+            group_max = _tile_maxima_pass(base, part_t_ptr, n_tiles, rows, row_ok, start, end, R, BLOCK, G, TILE)
+            m = tl.reduce(group_max, 1, _max_keep_nan)
+            done = row_ok & (m < float("inf"))  # False for NaN
+            if tl.min((done | ~row_ok).to(tl.int32)) > 0:
+                part = (rows * split + chunk) * N_STATS_F
+                tl.store(part_f_ptr + part, m, mask=row_ok)
+                tl.store(part_f_ptr + part + 1, 0.0, mask=row_ok)
+                tl.store(part_f_ptr + part + 2, -FLT_MAX, mask=row_ok)
+                tl.store(part_f_ptr + part + 3, 0.0, mask=row_ok)
+                tl.store(part_f_ptr + part + 4, 0.0, mask=row_ok)
+                part = (rows * split + chunk) * N_STATS_I
+                tl.store(part_i_ptr + part, V, mask=row_ok)
+                tl.store(part_i_ptr + part + 1, end - start, mask=row_ok)
+                tl.store(part_i_ptr + part + 2, 0, mask=row_ok)
+                g = tl.arange(0, G)
+                tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max,
+                         mask=row_ok[:, None])  # fmt: skip
+    if tl.min((done | ~row_ok).to(tl.int32)) == 0:
+        weighed = sampled & ~tiled  # rows from tiles read neither the sum of p nor the moments
+        _stats_pass(base, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, rows, row_ok, chunk, split, start,
+                    end, V, sampled, weighed, c, R, BLOCK, G, TILE)  # fmt: skip
     first_chunk = row_ok & (rows * 0 + chunk == 0)
     for i in range(n_counters):  # nothing persists between calls
         tl.store(counter_ptr + i * B + rows, tl.zeros((R,), tl.int32), mask=first_chunk)
@@ -768,9 +848,13 @@ def _tiles_kernel(
         active = filtered | unfiltered
         top_k = tl.where(active, tl.minimum(k.to(tl.int64), n_finite), 0)
         k_on = active
-        s = tl.minimum(tl.maximum(_group_bound(maxima, top_k), x_min), m)
+        bound = _group_bound(maxima, top_k)
+        s = tl.minimum(tl.maximum(bound, x_min), m)
         n_list = _gather_tiles(base, t_max, s, rows, active, tile_list_ptr, n_tiles, buf_val_ptr, buf_idx_ptr, V,
                                CAP, TILE, N_TILES, NS)  # fmt: skip
+        # fewer than k' groups hold a finite logit: s is at or below every finite logit, so the list counted them
+        # all (the stats' count is an upper bound where a chunk took _tile_maxima_pass)
+        top_k = tl.where(bound == float("-inf"), tl.minimum(top_k, n_list.to(tl.int64)), top_k)
         listed = active & (n_list <= CAP)
         radix = active & ~listed
         if tl.max(listed.to(tl.int32)) > 0:
