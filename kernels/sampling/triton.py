@@ -13,8 +13,9 @@ Launch on sm_90 (an idle launch overlaps the previous one's tail):
 1. `_stats_kernel`: per chunk, NaN flag, max and its lowest index (the greedy answer), and for sampled rows
    the smallest finite logit and the number of finite logits, the sum of p_i = 2^((x_i - max) * log2(e) /
    temperature) and the sum and sum of squares of the finite logits (not for rows from tiles, which read none),
-   the maxima of groups of its slots and of its tiles of 128 tokens -> a small workspace. It also zeroes the
-   rows' counters of the later launches.
+   the maxima of groups of its slots and of its tiles of 128 tokens -> a small workspace; a chunk whose rows are
+   all from tiles (2a) and hold no NaN or +inf needs only the tile and group maxima (`_tile_maxima_pass`, a max per
+   token). It also zeroes the rows' counters of the later launches.
 2a. `_tiles_kernel` (where launch 2's grid takes more than one wave: `tiles_pay_off`): a sampled top-k row with k
    <= its group maxima is finished by one program: s is the k-th largest group maximum, never above the cut
    (`_group_bound`), and only the tiles whose max reaches s are read (`_gather_tiles`).
@@ -293,10 +294,10 @@ def _stats_kernel(
     """1. One chunk of R rows: _tile_maxima_pass when every row is from tiles (_from_tiles; TILE > 0) and the
     chunk holds no NaN and no +inf, else _stats_pass (also after the first, which then stored nothing but tile
     maxima that the second overwrites); zeroes the rows' counters (counter_ptr [n_counters, B]). A chunk of the
-    first kind stores max, no sums, smallest finite logit -FLT_MAX (a lower bound: launch 2a's list threshold
-    never goes below a finite logit) and as many finite logits as it has tokens (an upper bound: launch 2a takes
-    k' from its list when that is short, _tiles_kernel), first argmax V (no row from tiles reads it: their max
-    is finite)."""
+    first kind stores max, no sums, smallest finite logit -FLT_MAX and as many finite logits as it has tokens
+    (bounds: where fewer than k groups hold a finite logit, launch 2a's list threshold is the smallest finite
+    logit or -FLT_MAX, the list holds every finite logit either way, and the finish's k-th key past them keeps
+    them all), first argmax V (no row from tiles reads it: their max is finite)."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < B
@@ -848,13 +849,9 @@ def _tiles_kernel(
         active = filtered | unfiltered
         top_k = tl.where(active, tl.minimum(k.to(tl.int64), n_finite), 0)
         k_on = active
-        bound = _group_bound(maxima, top_k)
-        s = tl.minimum(tl.maximum(bound, x_min), m)
+        s = tl.minimum(tl.maximum(_group_bound(maxima, top_k), x_min), m)
         n_list = _gather_tiles(base, t_max, s, rows, active, tile_list_ptr, n_tiles, buf_val_ptr, buf_idx_ptr, V,
                                CAP, TILE, N_TILES, NS)  # fmt: skip
-        # fewer than k' groups hold a finite logit: s is at or below every finite logit, so the list counted them
-        # all (the stats' count is an upper bound where a chunk took _tile_maxima_pass)
-        top_k = tl.where(bound == float("-inf"), tl.minimum(top_k, n_list.to(tl.int64)), top_k)
         listed = active & (n_list <= CAP)
         radix = active & ~listed
         if tl.max(listed.to(tl.int32)) > 0:

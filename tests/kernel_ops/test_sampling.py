@@ -995,6 +995,32 @@ def test_list_from_tiles_holds_every_logit_at_or_above_its_threshold(V, block, s
     assert keep[torch.arange(B), out].all()
 
 
+def test_tile_maxima_pass_gives_the_tokens_of_every_statistic():
+    # rows from tiles take the stats launch's tile-maxima pass (split 8 x G 16 groups of whole 128-token tiles in a
+    # 2048-token block) and must draw what the rows draw without tiles. A chunk with a NaN or a +inf takes the full
+    # pass after it (row 1: INVALID; row 2: the first +inf). Rows 3.. have 3 finite logits, fewer than k, in chunks
+    # of the tile pass: their list threshold is that pass's lower bound -FLT_MAX (the tile pass ran; its count of
+    # finite logits is the chunks' length) and their list all 3, which top-p 0.9 keeps; one row per step, so that
+    # the draws cover the 3 tokens
+    g = torch.Generator().manual_seed(13)
+    B, V, k = 40, 15_000, 50  # 8 chunks of one block, the last one 664 tokens: a cut tile
+    logits = torch.randn(B, V, generator=g) * 2
+    logits[0, 14_990] = 9.0  # the max in the cut tile
+    logits[1, 3000] = float("nan")  # its own chunk: a program holds every row here, and +inf is in chunk 0
+    logits[2, [900, 1500]] = float("inf")
+    logits[3:] = float("-inf")
+    logits[3:, [5000, 9001, 14_999]] = torch.tensor([1.0, 0.9, 0.8])  # top-p 0.9 keeps all 3
+    state = torch.zeros(B, fused.N_STATE.value, dtype=torch.int64)
+    args = (logits, torch.ones(B), torch.full((B,), k), torch.full((B,), 0.9), torch.zeros(B), torch.zeros(B).long(),
+            torch.arange(B))  # fmt: skip
+    tiled = fused.launch(*args, block=2048, split=8, tiles=True, state=state)
+    assert tiled.tolist()[1:3] == [fused.INVALID_TOKEN, 900]
+    assert torch.equal(tiled, fused.launch(*args, block=2048, split=8, tiles=False))
+    assert (state[3:, fused.S_SPEC.value] == ordered_keys(torch.tensor(-3.4028234663852886e38))).all()
+    assert (state[3:, fused.S_LISTED.value] == 3).all() and set(tiled[3:].tolist()) == {5000, 9001, 14_999}
+    assert (state[[0, *range(3, B)], fused.S_PATH.value] == fused.PATH_LIST.value).all()
+
+
 def test_list_appends_stop_once_the_list_overflows():
     # top-p 0.95 on flat rows: the speculative threshold passes almost every token, far more than the list's CAP
     # slots. Each (row, chunk) program stops appending after the block in which its slot reached CAP, so the row's
