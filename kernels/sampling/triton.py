@@ -824,10 +824,12 @@ def _tiles_kernel(
 ):  # fmt: skip
     """2a. Rows from tiles (_from_tiles), one program each: top-k is on with k' = min(k, finite logits) (the same
     kept set as top-k off when k' is all of them, so that the top-k set's mass, not the row's sum of p, is top-p's
-    reference). List threshold s: the k'-th largest group maximum (_group_bound), at or below the k'-th logit,
-    clamped to [smallest finite logit, max]; only the tiles whose max reaches it are read (_gather_tiles). The
-    list holds the cut unless it overflows CAP: then the radix rounds start from [s, max]. Its own launch (not a
-    branch of launch 2): a chain of one program whose registers, ~1 wave of programs and length are its own."""
+    reference; the count is an upper bound where chunks took _tile_maxima_pass, and a k' above the finite logits
+    keeps them all as well: the finish's k'-th key lies past the list). List threshold s: the k'-th largest group
+    maximum (_group_bound), at or below the k'-th logit, clamped to [smallest finite logit, max]; only the tiles
+    whose max reaches it are read (_gather_tiles). The list holds the cut unless it overflows CAP: then the radix
+    rounds start from [s, max]. Its own launch (not a branch of launch 2): a chain of one program whose registers,
+    ~1 wave of programs and length are its own."""
     allow_dependents(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
