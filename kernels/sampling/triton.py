@@ -69,9 +69,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 INVALID = tl.constexpr(INVALID_TOKEN)
 KEY_MIN = tl.constexpr(-(2**31))  # below every key of a non-NaN float
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it at import too
 # tl.sort's xor reductions run element by element in the CPU interpreter (minutes for the tests' batches); there
 # the same bitonic network is built from reshapes and sums (which compile badly for the GPU: spills at CAP 256)
-SORT_NETWORK = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+SORT_NETWORK = tl.constexpr(INTERPRETED)
 SPLIT_MAX = 128  # programs per row, at most
 GROUPS = 128  # group maxima per row from the stats launch: top-k's list threshold for k <= this
 MIN_SPLIT_R = 8  # programs per row of launch 3 when it waits inside (fewer: a launch per step, resolve_plan)
@@ -168,7 +169,7 @@ def _max_keep_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-STORE_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+STORE_ASM = tl.constexpr(not INTERPRETED)  # inline PTX: not in the interpreter
 
 
 @triton.jit
@@ -183,6 +184,25 @@ def _store_in_place(ptrs, values, mask, ASM: tl.constexpr):
         )  # fmt: skip
     else:
         tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def _store_chunk_stats(part_f_ptr, part_i_ptr, part_g_ptr, rows, row_ok, chunk, split, m, total, x_min, s1, s2, arg,
+                       n_finite, has_nan, group_max, G: tl.constexpr):  # fmt: skip
+    """A chunk's statistics -> part_f [B, split, N_STATS_F], part_i [B, split, N_STATS_I] (the columns that
+    _combine_stats reads) and its G group maxima [R, G] -> part_g [B, split, G]."""
+    part = (rows * split + chunk) * N_STATS_F
+    tl.store(part_f_ptr + part, m, mask=row_ok)
+    tl.store(part_f_ptr + part + 1, total, mask=row_ok)  # relative to the chunk max
+    tl.store(part_f_ptr + part + 2, x_min, mask=row_ok)
+    tl.store(part_f_ptr + part + 3, s1, mask=row_ok)
+    tl.store(part_f_ptr + part + 4, s2, mask=row_ok)
+    part = (rows * split + chunk) * N_STATS_I
+    tl.store(part_i_ptr + part, arg, mask=row_ok)
+    tl.store(part_i_ptr + part + 1, n_finite, mask=row_ok)
+    tl.store(part_i_ptr + part + 2, has_nan, mask=row_ok)
+    g = tl.arange(0, G)
+    tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -268,20 +288,12 @@ def _stats_pass(base, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, r
     ref = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
     ref_group = tl.where((g_max == float("-inf")) | (g_max == float("inf")), 0.0, g_max)
     scale = tl.where(g_max == float("-inf"), 0.0, tl.exp2((ref_group - ref[:, None]) * c))  # [R, NG]
-    part = (rows * split + chunk) * N_STATS_F
-    tl.store(part_f_ptr + part, m, mask=row_ok)
-    tl.store(part_f_ptr + part + 1, tl.sum(tl.sum(total, 2) * scale, 1), mask=row_ok)  # relative to the chunk max
-    tl.store(part_f_ptr + part + 2, tl.min(x_min, 1), mask=row_ok)
-    tl.store(part_f_ptr + part + 3, tl.sum(s1, 1), mask=row_ok)
-    tl.store(part_f_ptr + part + 4, tl.sum(s2, 1), mask=row_ok)
-    part = (rows * split + chunk) * N_STATS_I
-    tl.store(part_i_ptr + part, tl.min(tl.where(best == m[:, None], best_idx, V), 1), mask=row_ok)
-    tl.store(part_i_ptr + part + 1, tl.sum(n_finite, 1), mask=row_ok)
-    tl.store(part_i_ptr + part + 2, tl.max(nan_slots, 1), mask=row_ok)
     # group g: slots g * BLOCK / G .. (g + 1) * BLOCK / G - 1 (each a token of every block of the chunk)
-    g = tl.arange(0, G)
     group_max = tl.max(tl.reshape(best, (R, G, BLOCK // G)), 2)  # [R, G]
-    tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max, mask=row_ok[:, None])
+    _store_chunk_stats(part_f_ptr, part_i_ptr, part_g_ptr, rows, row_ok, chunk, split, m,
+                       tl.sum(tl.sum(total, 2) * scale, 1), tl.min(x_min, 1), tl.sum(s1, 1), tl.sum(s2, 1),
+                       tl.min(tl.where(best == m[:, None], best_idx, V), 1), tl.sum(n_finite, 1),
+                       tl.max(nan_slots, 1), group_max, G)  # fmt: skip
 
 
 @fast_launch
@@ -308,7 +320,7 @@ def _stats_kernel(
     sampled = row_ok & (temperature > 0)
     c = tl.where(sampled, LOG2E / tl.maximum(temperature, 1e-30), LOG2E)[:, None]  # > 0: no 0 * inf below
     k = tl.load(top_k_ptr + rows * top_k_stride, mask=row_ok, other=0)
-    tiled = sampled & _from_tiles(temperature, k, row_ok, TILE, split, G)
+    tiled = _from_tiles(temperature, k, row_ok, TILE, split, G)  # sampled rows only
     start, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
     done = row_ok & False
     if TILE > 0 and BLOCK // TILE >= G:
@@ -317,19 +329,8 @@ def _stats_kernel(
             m = tl.reduce(group_max, 1, _max_keep_nan)
             done = row_ok & (m < float("inf"))  # False for NaN
             if tl.min((done | ~row_ok).to(tl.int32)) > 0:
-                part = (rows * split + chunk) * N_STATS_F
-                tl.store(part_f_ptr + part, m, mask=row_ok)
-                tl.store(part_f_ptr + part + 1, 0.0, mask=row_ok)
-                tl.store(part_f_ptr + part + 2, -FLT_MAX, mask=row_ok)
-                tl.store(part_f_ptr + part + 3, 0.0, mask=row_ok)
-                tl.store(part_f_ptr + part + 4, 0.0, mask=row_ok)
-                part = (rows * split + chunk) * N_STATS_I
-                tl.store(part_i_ptr + part, V, mask=row_ok)
-                tl.store(part_i_ptr + part + 1, end - start, mask=row_ok)
-                tl.store(part_i_ptr + part + 2, 0, mask=row_ok)
-                g = tl.arange(0, G)
-                tl.store(part_g_ptr + (rows * split + chunk)[:, None] * G + g[None, :], group_max,
-                         mask=row_ok[:, None])  # fmt: skip
+                _store_chunk_stats(part_f_ptr, part_i_ptr, part_g_ptr, rows, row_ok, chunk, split, m, 0.0, -FLT_MAX,
+                                   0.0, 0.0, V, end - start, 0, group_max, G)  # fmt: skip
     if tl.min((done | ~row_ok).to(tl.int32)) == 0:
         weighed = sampled & ~tiled  # rows from tiles read neither the sum of p nor the moments
         _stats_pass(base, part_f_ptr, part_i_ptr, part_g_ptr, part_t_ptr, n_tiles, rows, row_ok, chunk, split, start,
