@@ -12,10 +12,10 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/qmoe_out}
 SAMPLING_ARGS=${SAMPLING_ARGS:-}
-mkdir -p "$OUT" results
 for wheel in hydra_core omegaconf antlr4_python3_runtime; do  # the image lacks them; an sdist is not installed
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "no .whl/$wheel-*.whl: carry .whl (pip download; antlr4 4.9.3 is an sdist: pip wheel it)"; exit 2; }
 done
+mkdir -p "$OUT" results
 if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then  # installed once per machine (parallel sessions)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
