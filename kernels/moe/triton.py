@@ -1030,7 +1030,8 @@ def moe_block_gemv(
         UP_K=up["BLOCK_K"], UP_SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EVEN_K=H % up["BLOCK_K"] == 0,
         DOWN_N=down["BLOCK_N"], DOWN_K=down["BLOCK_K"], DOWN_SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K),
         BLOCK_S=next_power_of_2(IS), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, EP=first is not None,
-        PREFETCH="none" if DOWN_PREFETCH == "l2" and not x.is_cuda else DOWN_PREFETCH, LINES_I=next_power_of_2(cdiv(I * w2.element_size(), 128)),
+        PREFETCH="none" if DOWN_PREFETCH == "l2" and not x.is_cuda else DOWN_PREFETCH,
+        LINES_I=next_power_of_2(cdiv(I * w2.element_size(), 128)),
         LINES_S=next_power_of_2(cdiv(IS * shared_down_proj.element_size(), 128)), PDL=on, launch_pdl=on,
         **launch_options(up),
     )  # fmt: skip
