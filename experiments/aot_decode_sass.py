@@ -95,14 +95,19 @@ def kernels_35b() -> dict:
             programs,
         )  # fmt: skip
     return rows | {
-        "moe (routing, expert gate/up, grid barrier, experts + shared down + combine)": (
-            moe._moe_gemv_kernel,
-            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, UP_N=up["BLOCK_N"], UP_K=up["BLOCK_K"], UP_SUB_K=128,
-                 EVEN_K=True, DOWN_N=down["BLOCK_N"], DOWN_K=down["BLOCK_K"], DOWN_SUB_K=128, BLOCK_S=512,
-                 EXPERTS_FP8=False, SHARED_FP8=False, EP=False, PREFETCH=moe.DOWN_PREFETCH, LINES_I=8, LINES_S=8,
-                 PDL=True),
-            {"barrier_ptr": "*i32"}, up["num_warps"], up["num_stages"], up.get("maxnreg"),
-            max(triton.cdiv(512, up["BLOCK_N"]) * 8, triton.cdiv(2048, down["BLOCK_N"])),
+        "moe up (routing + expert gate/up GEMV)": (
+            moe._moe_up_gemv_kernel,
+            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], SUB_K=128,
+                 EVEN_K=True, EXPERTS_FP8=False, EP=False, PDL=True),
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, up["num_warps"], up["num_stages"], up.get("maxnreg"),
+            triton.cdiv(512, up["BLOCK_N"]) * 8,
+        ),
+        "moe down (experts + shared + combine GEMV)": (
+            moe._moe_down_gemv_kernel,
+            dict(TOP_K=8, BLOCK_TOP=8, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], SUB_K=128, BLOCK_S=512,
+                 EXPERTS_FP8=False, SHARED_FP8=False, EP=False, PDL=True),
+            {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"], down.get("maxnreg"),
+            triton.cdiv(2048, down["BLOCK_N"]),
         ),
         "attention decode (norm + RoPE, split-K, merge, gate)": (
             attention._decode_kernel,

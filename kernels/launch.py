@@ -22,7 +22,7 @@ import os
 
 import torch
 
-__all__ = ["cdiv", "fast_launch", "launch_options", "next_power_of_2", "resident_programs"]
+__all__ = ["cdiv", "fast_launch", "launch_options", "next_power_of_2"]
 
 ENABLED = os.environ.get("QMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -47,20 +47,6 @@ def launch_options(config: dict) -> dict:
     """A config's Triton launch options: num_warps, num_stages and, if capped, maxnreg (registers per thread)."""
     cap = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
     return dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **cap)
-
-
-def resident_programs(kernel, device: torch.device) -> int:
-    """How many programs of a compiled kernel (a CompiledKernel) the device holds at once: its SMs times the
-    programs per SM that its registers (allocated per warp in 256s), threads and shared memory allow (32 at most)."""
-    kernel._init_handles()  # loads the module; Triton reads the register count there
-    props = torch.cuda.get_device_properties(device)
-    warps = kernel.metadata.num_warps
-    regs_per_warp = cdiv(kernel.n_regs * 32, 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(regs_per_warp, 1) // warps
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    by_smem = smem // (kernel.metadata.shared + 1024)  # sm_90 reserves 1 KB per program
-    return min(by_regs, by_threads, by_smem, 32) * props.multi_processor_count
 
 
 def _key(args: tuple) -> tuple:

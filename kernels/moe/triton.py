@@ -64,10 +64,9 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.counters import ArrivalCounters
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
-from kernels.launch import cdiv, fast_launch, launch_options, next_power_of_2, resident_programs
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.moe.naive import router_experts, split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -631,12 +630,17 @@ def _moe_down_decode_kernel(
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
     keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
-    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs h
-    and out only (its routing stays in registers)."""
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs
+    neither partials nor counters."""
     M, H = x.shape
     P = M * top_k
-    if config["BLOCK_M"] == 1:  # GEMV path: the routing stays in registers; no partials, no counters
-        return {"h": x.new_empty(P, I), "out": x.new_empty(M, H)}
+    if config["BLOCK_M"] == 1:  # GEMV path: no partials, no counters
+        return {
+            "h": x.new_empty(P, I),
+            "f32": x.new_empty(P, dtype=torch.float32),
+            "i32": x.new_empty(P, dtype=torch.int32),
+            "out": x.new_empty(M, H),
+        }
     return {
         "h": x.new_empty(P, I),
         "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
@@ -659,6 +663,7 @@ def moe_block_decode(
     E = router_experts(proj, IS)  # expert parallel: every rank's experts
     config = config or get_config(M, El, H, I, w13.dtype)
     scratch = scratch or decode_scratch(x, I, top_k, config)
+    h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     x, w13, w2, shared_down_proj = x.contiguous(), w13.contiguous(), w2.contiguous(), shared_down_proj.contiguous()
     scales = w13_scale, w2_scale, shared_down_scale
     experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, *scales)
@@ -667,7 +672,6 @@ def moe_block_decode(
             raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
         flags = experts_fp8, shared_fp8
         return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags, first)
-    h, f32, i32, out = scratch["h"], scratch["f32"], scratch["i32"], scratch["out"]
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
@@ -741,41 +745,33 @@ def _up_gemv_fp8(
 
 
 @triton.jit
-def _down_weights(w2_ptr, w2_s_ptr, ids, top_mask, tile, k0, H, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SUB_K: tl.constexpr, EXPERTS_FP8: tl.constexpr):  # fmt: skip
-    """K step k0 of down tile `tile` (rows tile * BLOCK_N ...): the K experts' rows [TOP, N, BLOCK_K] of w2 (ids
-    [TOP] index w2) and, for fp8 experts, their scales [TOP, N, BLOCK_K / SUB_K] (else the rows again, unread);
-    zero past I and in masked lanes. Rows past H re-read row H - 1 (the store drops them)."""
-    rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
+def _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K: tl.constexpr):
+    """K step k0 of the down GEMV: the K experts' rows [TOP, N, BLOCK_K] (w_ptrs [TOP, N, 1] at column 0) and their
+    h [TOP, BLOCK_K]; zero past I and in lanes >= TOP_K."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < I
-    w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
-    w = tl.load(w_ptrs, mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
-    scale = w
-    if EXPERTS_FP8:
-        kb = tl.cdiv(I, 128)
-        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past I
-        s_ptrs = w2_s_ptr + (ids.to(tl.int64) * (H * kb))[:, None, None] + (rows * kb)[None, :, None]
-        s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
-        scale = tl.load(s_ptrs + blocks[None, None, :], mask=s_mask, other=0.0)
-    return w, scale
+    w = tl.load(w_ptrs + offs_k[None, None, :], mask=top_mask[:, None, None] & k_mask[None, None, :], other=0.0)
+    a = tl.load(h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=top_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, a
 
 
 @triton.jit
-def _down_step(acc, w, scale, h_ptr, offs_top, top_mask, k0, I, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-               EXPERTS_FP8: tl.constexpr):  # fmt: skip
-    """acc [TOP, N] + K step k0 of w2[e_k][rows] @ h[k] (_down_weights' w, scale). h comes from L2 (.cg): other
-    programs of the same launch wrote it, and an L1 line of it would be stale. fp8: each step's product summed per
-    SUB_K-column sub-step before the sub-step's [TOP, N] scales (like _up_gemv_fp8)."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    a_mask = top_mask[:, None] & (offs_k < I)[None, :]
-    a = tl.load(h_ptr + offs_top[:, None] * I + offs_k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
-    prod = w.to(tl.float32) * a.to(tl.float32)[:, None, :]  # [TOP, N, BLOCK_K]
-    if EXPERTS_FP8:
-        prod = tl.reshape(prod, (offs_top.shape[0], w.shape[1], BLOCK_K // SUB_K, SUB_K))
+def _down_gemv_fp8(
+    h_ptr, w_ptrs, w_scales, offs_top, top_mask, I,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+):  # fmt: skip
+    """w2[e_k][rows] @ h[k] for every k over fp8 rows (w_ptrs [TOP, N, 1] at column 0, w_scales [TOP, N] at K
+    block 0) -> [TOP, N] fp32, stepped like _up_gemv_fp8: the [TOP, N, BLOCK_K] tile in one load, its product
+    summed per SUB_K-column sub-step before the sub-step's [TOP, N] scales."""
+    acc = tl.zeros((offs_top.shape[0], BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
+        blocks = k0 // 128 + tl.arange(0, BLOCK_K // SUB_K)  # the step's scale blocks; none read past I
+        s_mask = top_mask[:, None, None] & (blocks * 128 < I)[None, None, :]
+        scale = tl.load(w_scales[:, :, None] + blocks[None, None, :], mask=s_mask, other=0.0)  # [TOP, N, K / SUB]
+        prod = w.to(tl.float32) * a.to(tl.float32)[:, None, :]  # [TOP, N, BLOCK_K]
+        prod = tl.reshape(prod, (offs_top.shape[0], BLOCK_N, BLOCK_K // SUB_K, SUB_K))
         acc += tl.sum(tl.sum(prod, 3) * scale, 2)
-    else:
-        acc += tl.sum(prod, 2)
     return acc
 
 
@@ -813,230 +809,124 @@ def _up_gemv_rows(
     tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
+@fast_launch
 @triton.jit
-def _load_acquire(ptr):
-    """*ptr (int32) by ld.acquire.gpu, in every thread: a poll that orders the loads after it, without the
-    contention of an atomic per poll."""
-    return tl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _grid_barrier(barrier_ptr, programs):
-    """Returns once all `programs` programs of the launch have arrived; they must all be resident at once (the
-    launcher caps the grid at the kernel's occupancy). Sense-reversing: barrier_ptr[0] counts arrivals; the last
-    to arrive resets it and bumps the generation barrier_ptr[1], which the others poll, so the count is zero
-    between calls (an ArrivalCounters buffer). Every thread's stores before the barrier are visible to every
-    thread's loads after it: bar.sync, one acq_rel arrival; the last arrival's release of the generation, the
-    pollers' acquire, bar.sync."""
-    gen_ptr = barrier_ptr + 1
-    tl.debug_barrier()
-    gen = tl.load(gen_ptr, volatile=True)  # read before this program arrives: the bump comes after every arrival
-    arrived = tl.atomic_add(barrier_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == programs - 1:
-        tl.atomic_xchg(barrier_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(gen_ptr, gen + 1, sem="release", scope="gpu")
+def _moe_up_gemv_kernel(
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr, FIRST, EL,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EXPERTS_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
+    No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
+    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert parallel): w13
+    holds experts FIRST .. FIRST + EL - 1 of the E the router ranks; a program whose expert another rank holds
+    loads and stores nothing (the down kernel reads no h row of it)."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
+    pid_n = tl.program_id(0)
+    k = tl.program_id(1)
+    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_top = tl.arange(0, BLOCK_TOP)
+    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
+        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    if EP:
+        local = expert - FIRST
+        if (local >= 0) & (local < EL):
+            _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, local, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
+                          EXPERTS_FP8)  # fmt: skip
     else:
-        seen = _load_acquire(gen_ptr)
-        while seen == gen:
-            seen = _load_acquire(gen_ptr)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _down_tile(acc, w, scale, ws, ws_scale, h_ptr, w2_ptr, w2_s_ptr, out_ptr, ids, offs_top, top_mask, weights,
-               a_shared, shared_scale, tile, end, H, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SUB_K: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr):  # fmt: skip
-    """out[tile rows] = sum_k weights_k * w2[e_k][rows] @ h[k] (k in order) + shared_scale * shared_down[rows] @
-    a_shared, from the tile's first K step (w, scale) and shared rows (ws, ws_scale: loaded by the caller, raw);
-    acc: zeros [TOP, BLOCK_N]. The rest of K loads here. Rows from `end` on are not stored."""
-    acc = _down_step(acc, w, scale, h_ptr, offs_top, top_mask, 0, I, BLOCK_K, SUB_K, EXPERTS_FP8)
-    for k0 in range(BLOCK_K, I, BLOCK_K):
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, top_mask, tile, k0, H, I, BLOCK_N, BLOCK_K, SUB_K,
-                                 EXPERTS_FP8)  # fmt: skip
-        acc = _down_step(acc, w, scale, h_ptr, offs_top, top_mask, k0, I, BLOCK_K, SUB_K, EXPERTS_FP8)
-    ws = ws.to(tl.float32)  # [BLOCK_N, BLOCK_S]
-    if SHARED_FP8:
-        ws = ws * ws_scale
-    routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
-    out = routed + shared_scale * tl.sum(ws * a_shared[None, :], 1)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < end)
-
-
-@triton.jit
-def _shared_down_rows(shared_down_ptr, sd_s_ptr, tile, H, IS, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SHARED_FP8: tl.constexpr):  # fmt: skip
-    """Down tile `tile`'s rows of the shared expert's down projection [BLOCK_N, BLOCK_S] as stored, and for fp8
-    the scale of every column (column j is in scale block j // 128; else the rows again, unread)."""
-    rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = (offs_s < IS)[None, :]
-    ws = tl.load(shared_down_ptr + (rows * IS)[:, None] + offs_s[None, :], mask=s_mask, other=0.0)
-    scale = ws
-    if SHARED_FP8:
-        s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
-        scale = tl.load(s_cols, mask=s_mask, other=0.0)
-    return ws, scale
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of the 128-byte line at each pointer where mask: no register holds the data."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_down_l2(w2_ptr, shared_down_ptr, ids, top_mask, tile, H, I, IS, BLOCK_N: tl.constexpr,
-                      LINES_I: tl.constexpr, LINES_S: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
-    """Down tile `tile`'s rows of its K experts and of the shared expert into L2, a prefetch per 128-byte line."""
-    rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
-    step = 128 // ELEM
-    cols = tl.arange(0, LINES_I) * step
-    ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None] + cols[None, None, :]
-    _prefetch_l2(ptrs, top_mask[:, None, None] & (cols < I)[None, None, :])
-    cols_s = tl.arange(0, LINES_S) * step
-    s_mask = (cols_s < IS)[None, :] & (rows >= 0)[:, None]
-    _prefetch_l2(shared_down_ptr + (rows * IS)[:, None] + cols_s[None, :], s_mask)
+        _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
+                      EXPERTS_FP8)  # fmt: skip
 
 
 @fast_launch
 @triton.jit
-def _moe_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, w2_ptr, shared_down_ptr, h_ptr, out_ptr, barrier_ptr, E, H, I, IS, stride_pe,
-    w13_s_ptr, w2_s_ptr, sd_s_ptr, FIRST, EL,
-    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, UP_N: tl.constexpr, UP_K: tl.constexpr,
-    UP_SUB_K: tl.constexpr, EVEN_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr,
-    DOWN_SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
-    EP: tl.constexpr, PREFETCH: tl.constexpr, LINES_I: tl.constexpr, LINES_S: tl.constexpr, PDL: tl.constexpr,
+def _moe_down_gemv_kernel(
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    w2_s_ptr, sd_s_ptr, FIRST, EL,
+    TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
+    EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """The whole block for one token in one launch of co-resident programs, in two phases split by a grid barrier.
-    Every program ranks the E router logits itself (no launch for routing, the ids and weights stay in registers).
-    Up: tile t = (N tile t % n, expert rank t // n), t = pid, pid + programs, ... -> h[k, rows] =
-    silu(x @ gate_e^T) * (x @ up_e^T): [UP_N, UP_K] gate and up tiles with 16-byte loads along H, fp32 FMAs, one
-    reduction after the loop (EXPERTS_FP8: _up_gemv_fp8's loop, a scale per row per UP_SUB_K columns). Down: tile
-    pid's first K step of its K experts' rows [BLOCK_TOP, DOWN_N, DOWN_K] and its shared-expert rows load *before*
-    the barrier, so they stream from HBM while the last up tiles finish and the barrier completes (two launches
-    paid a launch, a load of the ids and an HBM round trip between the phases); after it, out[rows] = the K
-    experts' outputs weighted and summed in k order in registers + sigmoid(gate logit) * the shared expert's (A =
-    silu(gate) * up from proj, rounded like the torch path): no partials, no float atomics, bit-reproducible.
-    EP (expert parallel): w13 / w2 hold experts FIRST .. FIRST + EL - 1; up tiles of experts other ranks hold do
-    nothing, and their down lanes are masked (no loads, weight 0); the shared expert's rows are this rank's slice."""
+    """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
+    + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
+    [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
+    registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
+    load before the wait (weights: under PDL they stream while the up kernel finishes). EP: the experts other
+    ranks hold are masked lanes (no loads, weight 0); the shared expert's rows are this rank's slice."""
     allow_dependents(PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
-    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < IS
+    ws = tl.load(shared_down_ptr + (rows * IS)[:, None] + offs_s[None, :], mask=s_mask[None, :], other=0.0)
+    ws = ws.to(tl.float32)  # [BLOCK_N, BLOCK_S]
+    if SHARED_FP8:  # column j is in scale block j // 128
+        s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
+        ws = ws * tl.load(s_cols, mask=s_mask[None, :], other=0.0)
+    wait_for_producers(PDL)
     offs_top = tl.arange(0, BLOCK_TOP)
-    ids = top_ids - FIRST  # indices into this rank's experts (FIRST = 0 without EP)
     top_mask = offs_top < TOP_K
-    if EP:
+    ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
+    if EP:  # indices into this rank's experts; the others' lanes masked off
+        ids -= FIRST
         top_mask &= (ids >= 0) & (ids < EL)
         ids = tl.where(top_mask, ids, 0)
-    n_up = tl.cdiv(I, UP_N)
-    for t in range(pid, n_up * TOP_K, programs):
-        k = t // n_up
-        expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0) - FIRST
-        if EP:
-            if (expert >= 0) & (expert < EL):
-                _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, t % n_up, H, I, UP_N, UP_K, UP_SUB_K,
-                              EVEN_K, EXPERTS_FP8)  # fmt: skip
-        else:
-            _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, t % n_up, H, I, UP_N, UP_K, UP_SUB_K,
-                          EVEN_K, EXPERTS_FP8)  # fmt: skip
-    n_down = tl.cdiv(H, DOWN_N)
-    first = tl.minimum(pid, n_down - 1)  # a program past the last tile re-reads it
-    if PREFETCH == "registers":
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, top_mask, first, 0, H, I, DOWN_N, DOWN_K, DOWN_SUB_K,
-                                 EXPERTS_FP8)  # fmt: skip
-        ws, ws_scale = _shared_down_rows(shared_down_ptr, sd_s_ptr, first, H, IS, DOWN_N, BLOCK_S, SHARED_FP8)
-    if PREFETCH == "l2":
-        _prefetch_down_l2(w2_ptr, shared_down_ptr, ids, top_mask, first, H, I, IS, DOWN_N, LINES_I, LINES_S,
-                          w2_ptr.dtype.element_ty.primitive_bitwidth // 8)  # fmt: skip
-    _grid_barrier(barrier_ptr, programs)  # every h row written; nothing loaded above is used before this
-    offs_s = tl.arange(0, BLOCK_S)
-    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=offs_s < IS, other=0.0)
-    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=offs_s < IS, other=0.0)
-    gate_logit = tl.load(proj_ptr + (E + 2 * IS) * stride_pe)
-    if PREFETCH != "registers":
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, top_mask, first, 0, H, I, DOWN_N, DOWN_K, DOWN_SUB_K,
-                                 EXPERTS_FP8)  # fmt: skip
-        ws, ws_scale = _shared_down_rows(shared_down_ptr, sd_s_ptr, first, H, IS, DOWN_N, BLOCK_S, SHARED_FP8)
+    w_ptrs = w2_ptr + (ids.to(tl.int64) * (H * I))[:, None, None] + (rows * I)[None, :, None]  # [TOP, N, 1]
+    if EXPERTS_FP8:
+        kb_i = tl.cdiv(I, 128)
+        w_scales = w2_s_ptr + (ids.to(tl.int64) * (H * kb_i))[:, None] + (rows * kb_i)[None, :]  # [TOP, N], K block 0
+        acc = _down_gemv_fp8(h_ptr, w_ptrs, w_scales, offs_top, top_mask, I, BLOCK_N, BLOCK_K, SUB_K)
+    else:
+        acc = tl.zeros((BLOCK_TOP, BLOCK_N), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            w, a = _down_tiles(h_ptr, w_ptrs, offs_top, top_mask, k0, I, BLOCK_K)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+    # The shared expert: A = silu(gate) * up from proj, rounded like the torch path (in proj's dtype).
+    gate = tl.load(proj_ptr + (E + offs_s) * stride_pe, mask=s_mask, other=0.0)
+    up = tl.load(proj_ptr + (E + IS + offs_s) * stride_pe, mask=s_mask, other=0.0)
     gate = gate.to(tl.float32)
-    a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)  # [BLOCK_S]
-    shared_scale = tl.sigmoid(gate_logit.to(tl.float32))
-    weights = tl.where(top_mask, top_weights, 0.0)
-    zeros = tl.zeros((BLOCK_TOP, DOWN_N), tl.float32)
-    end = tl.where(pid < n_down, H, 0)  # store nothing from a program past the last tile
-    _down_tile(zeros, w, scale, ws, ws_scale, h_ptr, w2_ptr, w2_s_ptr, out_ptr, ids, offs_top, top_mask, weights,
-               a_shared, shared_scale, first, end, H, I, DOWN_N, DOWN_K, DOWN_SUB_K, EXPERTS_FP8,
-               SHARED_FP8)  # fmt: skip
-    for tile in range(pid + programs, n_down, programs):
-        w, scale = _down_weights(w2_ptr, w2_s_ptr, ids, top_mask, tile, 0, H, I, DOWN_N, DOWN_K, DOWN_SUB_K,
-                                 EXPERTS_FP8)  # fmt: skip
-        ws, ws_scale = _shared_down_rows(shared_down_ptr, sd_s_ptr, tile, H, IS, DOWN_N, BLOCK_S, SHARED_FP8)
-        _down_tile(zeros, w, scale, ws, ws_scale, h_ptr, w2_ptr, w2_s_ptr, out_ptr, ids, offs_top, top_mask,
-                   weights, a_shared, shared_scale, tile, H, H, I, DOWN_N, DOWN_K, DOWN_SUB_K,
-                   EXPERTS_FP8, SHARED_FP8)  # fmt: skip
-
-
-# "registers" | "l2" | "none": what the M = 1 kernel does with its first down tile before the barrier
-DOWN_PREFETCH = "registers"
-# the M = 1 kernel's grid barrier, [arrivals, generation] per device (invariants: ArrivalCounters)
-grid_barriers = ArrivalCounters()
-_GEMV_PROGRAMS: dict = {}  # launch key -> programs of _moe_gemv_kernel (its tiles, capped at its occupancy)
-
-
-def gemv_programs(args: tuple, meta: dict, tiles: int, device: torch.device) -> int:
-    """How many programs _moe_gemv_kernel launches with: its tiles, at most as many as can be resident at once
-    (its grid barrier waits for every program: one that could not be scheduled would hang the others). The
-    interpreter runs programs one after another: one program does every tile."""
-    if device.type != "cuda":
-        return 1
-    key = (device, tiles, tuple(meta.items()), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    programs = _GEMV_PROGRAMS.get(key)
-    if programs is None:
-        kernel = _moe_gemv_kernel.warmup(*args, grid=(1,), **meta)
-        programs = _GEMV_PROGRAMS[key] = min(tiles, resident_programs(kernel, device))
-    return programs
+    a_shared = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(tl.float32)
+    acc_shared = tl.sum(ws * a_shared[None, :], 1)
+    weights = tl.load(weights_ptr + offs_top, mask=top_mask, other=0.0)
+    routed = tl.sum(acc * weights[:, None], 0)  # [BLOCK_N], fixed order
+    scale = tl.sigmoid(tl.load(proj_ptr + (E + 2 * IS) * stride_pe).to(tl.float32))
+    out = routed + scale * acc_shared
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 def moe_block_gemv(
     x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8, first=None
 ) -> torch.Tensor:  # fmt: skip
-    """The block for one token in one launch (config["BLOCK_M"] == 1: up's BLOCK_N / BLOCK_K tile the up phase,
-    down's the down phase, up's num_warps, num_stages and maxnreg are the launch's); moe_block_decode has checked
+    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode has checked
     the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first + El - 1
     of the E = proj's router columns (None: all of them)."""
     H = x.shape[1]
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     E = router_experts(proj, IS)
+    ep = {"FIRST": first or 0, "EL": El, "EP": first is not None}
     up, down = config["up"], config["down"]
+    block_top = next_power_of_2(top_k)
     w13_scale, w2_scale, shared_down_scale = scales
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
-    args = (
-        x, proj, w13, w2, shared_down_proj, scratch["h"], scratch["out"], grid_barriers(2, x.device), E, H, I, IS,
-        proj.stride(1), w13_s, w2_s, sd_s, first or 0, El,
+    _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), top_k)](
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s, ep["FIRST"],
+        ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
+        SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
-    meta = dict(
-        TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), BLOCK_E=next_power_of_2(E), UP_N=up["BLOCK_N"],
-        UP_K=up["BLOCK_K"], UP_SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EVEN_K=H % up["BLOCK_K"] == 0,
-        DOWN_N=down["BLOCK_N"], DOWN_K=down["BLOCK_K"], DOWN_SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K),
-        BLOCK_S=next_power_of_2(IS), EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, EP=first is not None,
-        PREFETCH="none" if DOWN_PREFETCH == "l2" and not x.is_cuda else DOWN_PREFETCH,
-        LINES_I=next_power_of_2(cdiv(I * w2.element_size(), 128)),
-        LINES_S=next_power_of_2(cdiv(IS * shared_down_proj.element_size(), 128)), PDL=on, launch_pdl=on,
-        **launch_options(up),
+    _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]),)](
+        scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
+        proj.stride(1), w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
+        BLOCK_S=next_power_of_2(IS), SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8,
+        SHARED_FP8=shared_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
-    tiles = max(cdiv(I, up["BLOCK_N"]) * top_k, cdiv(H, down["BLOCK_N"]))
-    _moe_gemv_kernel[(gemv_programs(args, meta, tiles, x.device),)](*args, **meta)
     return scratch["out"]
 
 
