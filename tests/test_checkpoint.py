@@ -86,6 +86,8 @@ def test_round_trip_gives_identical_logits(tmp_path, reference, layout, prefix):
     assert info.skipped == {"mtp": 2, "visual": 1 if prefix == MM else 0}
     assert info.eos_token_ids == (507, 509)  # <|endoftext|> (config.json) and <|im_end|> (generation_config.json)
     assert info.load_seconds > 0 and info.peak_rss_bytes >= info.start_rss_bytes > 0
+    assert set(info.phase_seconds) == {"check", "build", "fill"} and min(info.phase_seconds.values()) > 0
+    assert abs(sum(info.phase_seconds.values()) - info.load_seconds) < 1e-6  # the phases are the whole load
     assert info.tokenizer_path is None
 
 

@@ -1,10 +1,11 @@
-"""qmoe/checkpoint/staging.py: tensors read as views of a mapped shard, and the chunked staging copy."""
+"""qmoe/checkpoint/staging.py: positioned reads (in pieces, on threads) and the chunked staging copy."""
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qmoe.checkpoint import staging
 from qmoe.checkpoint.staging import ShardReader, Stager
 
 
@@ -26,28 +27,58 @@ def stored_tensors() -> dict:
     }
 
 
-def test_host_views_equal_safetensors_reads(tmp_path):
+@pytest.mark.parametrize("piece", [1, 3, 64, 1 << 20])  # a read per byte, pieces across elements, one piece
+def test_reads_equal_safetensors_reads(tmp_path, monkeypatch, piece):
+    """host_tensor and read_into give safetensors' bytes for every dtype, odd offsets, empty and 0-dim tensors,
+    whether a tensor is one positioned read or many on the reader threads."""
+    monkeypatch.setattr(staging, "READ_PIECE", piece)
     tensors = stored_tensors()
     file = tmp_path / "shard.safetensors"
     save_file(tensors, file, metadata={"format": "pt"})
     with ShardReader(file) as reader, safe_open(file, framework="pt") as f:
         for key, expected in tensors.items():
-            view = reader.host_view(key)
-            assert view.dtype == expected.dtype and view.shape == expected.shape, key
-            assert torch.equal(raw(view), raw(f.get_tensor(key))), key
-            del view  # the map closes at the end of the block: no view may outlive it
+            read = reader.host_tensor(key)
+            assert read.dtype == expected.dtype and read.shape == expected.shape, key
+            assert torch.equal(raw(read), raw(f.get_tensor(key))), key
+            into = torch.empty_like(expected)
+            raw(into).fill_(0xFF)  # every byte set: a byte left unread would show
+            reader.read_into(key, into)
+            assert torch.equal(raw(into), raw(expected)), key
+
+
+def test_read_into_refuses_another_dtype_or_shape(tmp_path):
+    file = tmp_path / "shard.safetensors"
+    save_file(stored_tensors(), file)
+    with ShardReader(file) as reader:
+        with pytest.raises(ValueError, match="f32: read_into needs a contiguous CPU torch.float32"):
+            reader.read_into("f32", torch.empty(17, dtype=torch.float16))
+        with pytest.raises(ValueError, match="bf16"):
+            reader.read_into("bf16", torch.empty(5, 3, dtype=torch.bfloat16))
+
+
+def test_truncated_shard_is_an_error(tmp_path):
+    """A shard cut short inside a tensor's bytes: the read says where the file ends, never returns short data."""
+    file = tmp_path / "shard.safetensors"
+    save_file({"big": torch.arange(1000, dtype=torch.float32)}, file)
+    data = file.read_bytes()
+    file.write_bytes(data[:-100])
+    with ShardReader(file) as reader, pytest.raises(EOFError, match="100 bytes short"):
+        reader.host_tensor("big")
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 8, 64])  # every byte its own chunk, chunks across elements, whole
-def test_stager_copies_every_byte_through_rotating_buffers(chunk_bytes):
+def test_stager_copies_every_byte_through_rotating_buffers(tmp_path, chunk_bytes):
     # on the CPU the same chunking runs with plain buffers: sizes below, at and across a chunk, with three buffers
     # reused in turn
+    tensors = stored_tensors()
+    file = tmp_path / "shard.safetensors"
+    save_file(tensors, file)
     stager = Stager("cpu", chunk_bytes=chunk_bytes, buffers=3)
-    for key, x in stored_tensors().items():
-        out = stager.to_device(x)
-        assert out.dtype == x.dtype and out.shape == x.shape, key
-        assert torch.equal(raw(out), raw(x)), key
-        assert out.data_ptr() != x.data_ptr() or x.numel() == 0  # a copy, not a view
+    with ShardReader(file) as reader:
+        for key, x in tensors.items():
+            out = stager.to_device(reader, key)
+            assert out.dtype == x.dtype and out.shape == x.shape, key
+            assert torch.equal(raw(out), raw(x)), key
 
 
 @pytest.mark.gpu
@@ -58,7 +89,7 @@ def test_stager_to_gpu_through_pinned_buffers(tmp_path):
     save_file(tensors, file)
     stager = Stager("cuda", chunk_bytes=2 << 20)
     with ShardReader(file) as reader:
-        out = {key: stager.to_device(reader.host_view(key)) for key in tensors}
+        out = {key: stager.to_device(reader, key) for key in tensors}
     torch.cuda.synchronize()
     for key, x in tensors.items():
         assert out[key].is_cuda and torch.equal(raw(out[key].cpu()), raw(x)), key

@@ -1,11 +1,11 @@
 """Load a Hugging Face Qwen3.5-MoE checkpoint directory (config.json + safetensors) into Qwen35MoE.
 
 Everything is checked from config.json and the safetensors headers before any weight is read: a bad checkpoint
-raises CheckpointError (one line naming the tensor or file) and no model is returned. Then each shard is
-memory-mapped in turn and every tensor goes straight into its parameter on the target device, moved in its stored
-dtype and cast there, so host RAM never holds a second copy of the weights: to the CPU from a view of the mapped
-pages, to a GPU through pinned staging buffers with the copies overlapped (staging.py); a sharded model reads
-each parameter's slices through safetensors.
+raises CheckpointError (one line naming the tensor or file) and no model is returned. Then each shard is read in
+turn (positioned reads on several threads, staging.py) and every tensor goes straight into its parameter on the
+target device, moved in its stored dtype and cast there, so host RAM never holds a second copy of the weights: to
+the CPU into the parameter itself (or a host tensor cast into it), to a GPU through pinned staging buffers with the
+copies overlapped; a sharded model reads each parameter's slices through safetensors.
 
 FP8 checkpoints (config.json `quantization_config`): `quant_method: fp8` (fine-grained blocks, `<w>_scale_inv`
 [ceil(N / bn), ceil(K / bk)]) and `compressed-tensors` (`<w>_scale`, per channel [N, 1] or per block). Which tensors
@@ -61,6 +61,7 @@ class CheckpointInfo:
     skipped: dict  # {"mtp": n, "visual": n}: tensors present and deliberately not loaded
     eos_token_ids: tuple
     load_seconds: float
+    phase_seconds: dict  # "check" (config, headers, plan, hashes), "build" (the model allocated), "fill" (copies)
     start_rss_bytes: int  # host RSS when loading began
     peak_rss_bytes: int  # host RSS high-water mark (VmHWM)
     peak_rss_scope: str  # "load": the mark was reset when loading began; "process": since the process started
@@ -449,10 +450,11 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
         _fill_slices(params, specs, full, I, path, plan, tensors, bar)
         bar.close()
         return
-    # to a GPU through pinned buffers (one host copy per byte, copies overlapped); to the CPU straight from the map
+    # to a GPU through pinned buffers (one host copy per byte, copies overlapped); to the CPU straight into the
+    # parameter where it holds the stored dtype
     stager = Stager(model.device) if model.device.type == "cuda" else None
     for file, keys in _by_file(plan.reads, tensors).items():
-        with ShardReader(path / file) as f:  # memory-mapped: pages are read as each tensor is copied
+        with ShardReader(path / file) as f:
             for key in keys:
                 name, expert, part = plan.reads[key]
                 rows = slice(None, I) if part == "gate" else slice(I, None) if part == "up" else slice(None)
@@ -460,11 +462,18 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
                 dest_scale = params.get(f"{name}_scale")  # [..., N, Kb] like the weight's rows
                 if dest_scale is not None:
                     dest_scale = (dest_scale if expert is None else dest_scale[expert])[rows]
+                direct = stager is None and dest.dtype == f.spec(key)[0] and dest.is_contiguous()
                 try:  # moved in its stored dtype, converted on the device
-                    stored = f.host_view(key) if stager is None else stager.to_device(f.host_view(key))
+                    if direct:
+                        f.read_into(key, dest)
+                    else:
+                        stored = f.host_tensor(key) if stager is None else stager.to_device(f, key)
                 except Exception as e:
                     raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
-                if key in scales and dest.dtype == FP8:
+                if direct:
+                    if key in scales:
+                        dest_scale.copy_(scales[key])
+                elif key in scales and dest.dtype == FP8:
                     dest.copy_(stored)
                     dest_scale.copy_(scales[key])
                 elif key in scales:
@@ -473,7 +482,6 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
                     quantize_into(dest, dest_scale, stored)
                 else:
                     dest.copy_(stored)
-                del stored  # the last view of the map's pages: the map closes with the file
                 bar.update()
     bar.close()
 
@@ -617,10 +625,13 @@ def load_checkpoint(
         )
     if plan.stored_fp8 and lacks_fp8(device):
         log.warning(f"{torch.cuda.get_device_name(device)} has no FP8 support: FP8 weights dequantized on load")
+    built = time.perf_counter()
     model = build_model(cfg, dtype, device, seed=None, fp8=fp8, layout=layout)
+    filled = time.perf_counter()
     _fill(model, path, plan, tensors, progress)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
+    end = time.perf_counter()
 
     info = CheckpointInfo(
         path=str(path.resolve()),
@@ -636,7 +647,8 @@ def load_checkpoint(
         },
         skipped=plan.skipped,
         eos_token_ids=cfg.eos_token_ids,
-        load_seconds=time.perf_counter() - start,
+        load_seconds=end - start,
+        phase_seconds={"check": built - start, "build": filled - built, "fill": end - filled},
         start_rss_bytes=start_rss,
         peak_rss_bytes=_peak_rss(),
         peak_rss_scope=rss_scope,

@@ -1,17 +1,20 @@
-"""Whole-tensor reads of a safetensors shard for the loader, with one host copy per byte.
+"""Whole-tensor reads of a safetensors shard for the loader: positioned reads from the page cache straight into
+the destination's bytes, split across threads.
 
-`safe_open(...).get_tensor(key)` copies the tensor out of the memory-mapped file into a new host tensor, and a
-`.to("cuda")` of that pageable tensor copies it again into the driver's staging memory before the transfer, one
-tensor at a time (the 35B checkpoint loaded at 1.2 GB/s: README, checkpoint load). Here a shard is mapped once and
-a tensor is a view of its bytes in the page cache (the header gives dtype, shape and offsets). To the CPU, the
-destination's `copy_` is the one copy. To a GPU, `Stager` moves the bytes through pinned buffers of STAGE_BYTES:
-each chunk is copied into a free buffer on the host while the previous chunks' asynchronous host-to-device copies
-run, and a buffer is reused once its copy is done (a CUDA event per buffer).
+A memory-mapped shard (this module until 6b130c5) faults each 4 KB page into the process as a copy touches it, on
+one thread: the 35B 4-layer checkpoint loaded to the H200 at 1.38 GB/s bf16 and 0.87 GB/s FP8, below safetensors'
+own load_file (3.61 / 2.87 GB/s; results/bench_checkpoint_load*.json). Here `os.preadv` copies file bytes into
+a buffer in the kernel, READ_PIECE bytes per call, the pieces of one read on READ_THREADS threads (the call
+releases the GIL). To the CPU, a tensor is read into its destination when that holds the stored dtype, else into
+a host tensor that the caller converts. To a GPU, `Stager` moves the bytes through pinned buffers of STAGE_BYTES:
+a chunk is read into a free buffer while the previous chunks' asynchronous host-to-device copies run, and a
+buffer is reused once its copy is done (a CUDA event per buffer).
 """
 
 import json
-import mmap
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,33 +26,73 @@ DTYPES = {
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
 STAGE_BYTES = 64 << 20  # per pinned buffer: large enough that a copy's fixed cost is small, two of them in flight
+READ_PIECE = 8 << 20  # bytes per positioned read: a stage's pieces go to the threads together
+READ_THREADS = min(8, os.cpu_count() or 1)
+_readers: list[ThreadPoolExecutor] = []  # one pool per process, made at the first read that has several pieces
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _readers:
+        _readers.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qmoe-read"))
+    return _readers[0]
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    """view <- the file's len(view) bytes at offset (a short read continues; end of file is an error)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise EOFError(f"the file ends {len(view) - done} bytes short of offset {offset + len(view)}")
+        done += n
 
 
 class ShardReader:
-    """One safetensors file, memory-mapped (copy-on-write, so tensors are writable views; nothing is written):
-    `host_view(key)` is the stored tensor as a view of the mapped bytes (valid until close())."""
+    """One safetensors file, opened for positioned reads: `read_into(key, out)` fills a CPU tensor with a stored
+    tensor's bytes, `host_tensor(key)` returns a new one; `spec(key)` is (dtype, shape, file offset, bytes)."""
 
     def __init__(self, file: str | Path):
         self.file = Path(file)
-        with open(self.file, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        (header_len,) = struct.unpack("<Q", self._map[:8])
-        header = json.loads(self._map[8 : 8 + header_len])
-        header.pop("__metadata__", None)
-        self._entries = header
+        self._fd = os.open(self.file, os.O_RDONLY)
+        (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        header = bytearray(header_len)
+        _pread_exact(self._fd, memoryview(header), 8)
+        entries = json.loads(header)
+        entries.pop("__metadata__", None)
+        self._entries = entries
         self._data = 8 + header_len
 
-    def host_view(self, key: str) -> torch.Tensor:
+    def spec(self, key: str) -> tuple[torch.dtype, list, int, int]:
         entry = self._entries[key]
-        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
         begin, end = entry["data_offsets"]
-        if end == begin:  # frombuffer refuses zero bytes
-            return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=self._data + begin)
-        return raw.view(dtype).reshape(shape)
+        return DTYPES[entry["dtype"]], entry["shape"], self._data + begin, end - begin
+
+    def read_range(self, offset: int, out: torch.Tensor) -> None:
+        """out (a contiguous uint8 CPU tensor) <- the file's out.numel() bytes at offset, READ_PIECE at a time on
+        the reader threads."""
+        view = memoryview(out.numpy())
+        pieces = range(0, len(view), READ_PIECE)
+        read = lambda start: _pread_exact(self._fd, view[start : start + READ_PIECE], offset + start)  # noqa: E731
+        if len(pieces) <= 1:
+            return read(0) if len(view) else None
+        for future in [_pool().submit(read, start) for start in pieces]:
+            future.result()
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """out (a contiguous CPU tensor of the stored dtype and shape) <- tensor `key`."""
+        dtype, shape, offset, nbytes = self.spec(key)
+        if out.dtype != dtype or list(out.shape) != shape or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"{key}: read_into needs a contiguous CPU {dtype} {shape}, got {out.dtype} {out.shape}")
+        self.read_range(offset, out.reshape(-1).view(torch.uint8) if nbytes else out.new_empty(0, dtype=torch.uint8))
+
+    def host_tensor(self, key: str) -> torch.Tensor:
+        dtype, shape, _, _ = self.spec(key)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(key, out)
+        return out
 
     def close(self) -> None:
-        self._map.close()
+        os.close(self._fd)
 
     def __enter__(self):
         return self
@@ -59,7 +102,7 @@ class ShardReader:
 
 
 class Stager:
-    """Host tensors to `device` through `buffers` staging buffers of `chunk_bytes` (pinned for a GPU; plain on
+    """Stored tensors to `device` through `buffers` staging buffers of `chunk_bytes` (pinned for a GPU; plain on
     the CPU, where the same chunking runs synchronously). to_device() returns a new device tensor whose copies are
     queued on the current stream: the caller's next kernels on that stream see its bytes (and PyTorch's pinned
     allocator keeps a buffer alive until the copies that read it are done)."""
@@ -71,20 +114,19 @@ class Stager:
         self._done = [None] * buffers  # the event after each buffer's last host-to-device copy
         self._next = 0
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        flat = host.reshape(-1).view(torch.uint8)
-        out = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+    def to_device(self, reader: ShardReader, key: str) -> torch.Tensor:
+        dtype, shape, offset, nbytes = reader.spec(key)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         chunk = self._buffers[0].numel()
-        for start in range(0, flat.numel(), chunk):
+        for start in range(0, nbytes, chunk):
             i = self._next
             self._next = (i + 1) % len(self._buffers)
             if self._done[i] is not None:
                 self._done[i].synchronize()  # its previous copy has left the buffer
-            n = min(chunk, flat.numel() - start)
-            buffer = self._buffers[i][:n]
-            buffer.copy_(flat[start : start + n])  # the one host copy: page cache -> staging buffer
-            out[start : start + n].copy_(buffer, non_blocking=True)
+            buffer = self._buffers[i][: min(chunk, nbytes - start)]
+            reader.read_range(offset + start, buffer)  # the one host copy: page cache -> staging buffer
+            out[start : start + buffer.numel()].copy_(buffer, non_blocking=True)
             if self.device.type == "cuda":
                 self._done[i] = torch.cuda.Event()
                 self._done[i].record()
-        return out.view(host.dtype).reshape(host.shape)
+        return out.view(dtype).reshape(shape)
