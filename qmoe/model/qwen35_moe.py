@@ -532,7 +532,9 @@ def build_model(
         model = Qwen35MoE(cfg, layout)
     model = model.to(dtype=dtype)
     model.use_fp8_(model.fp8_names(fp8))
-    model = model.to_empty(device=device)
+    # torch.empty, not to_empty's empty_like: on meta tensors that runs a Python reference which imports sympy
+    # (2.8 s of the first build in a fresh process on the H200 host, where sympy's bytecode is not cached)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.fuse_projections_()
     if seed is not None:
         init_random_(model, seed, progress)
