@@ -1,5 +1,5 @@
-"""Hugging Face Qwen3.5-MoE checkpoints: load (safetensors, memory-mapped, shard by shard), write synthetic ones,
-and the tokenizer."""
+"""Hugging Face Qwen3.5-MoE checkpoints: load (safetensors, shard by shard), write synthetic ones, and the
+tokenizer."""
 
 from qmoe.checkpoint.loader import CheckpointError, CheckpointInfo, load_checkpoint, read_config, read_eos_token_ids
 from qmoe.checkpoint.tokenizer import Tokenizer, load_tokenizer, special_token_ids

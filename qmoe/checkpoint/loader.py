@@ -600,7 +600,7 @@ def load_checkpoint(
     layout: Layout = SINGLE,
 ) -> tuple[Qwen35MoE, CheckpointInfo]:
     """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors (this
-    rank's slices of them under `layout`: each read touches only its slice of the memory-mapped file).
+    rank's slices of them under `layout`: each of those reads touches only its slice of the memory-mapped file).
     weights (model.weights): auto -> FP8 where the checkpoint stores it, dense -> every tensor in `dtype` (FP8
     dequantized on load), fp8 -> the projections and experts in FP8 (dense ones quantized on load).
 
