@@ -50,8 +50,8 @@ def main():
             for M in M_VALUES:
                 inputs = make_inputs(M, s, "uniform", 8, torch.bfloat16, "cuda")
                 paths = {
-                    "decode": lambda i: moe.moe_block_decode(*inputs[i], *w, K, None, None, *sc),
-                    "grouped": lambda i: moe.moe_block_prefill(*inputs[i], *w, K, *sc),
+                    "decode": lambda i, x=inputs, w=w, K=K, sc=sc: moe.moe_block_decode(*x[i], *w, K, None, None, *sc),
+                    "grouped": lambda i, x=inputs, w=w, K=K, sc=sc: moe.moe_block_prefill(*x[i], *w, K, *sc),
                 }
                 err = rel_err(paths["grouped"](0), paths["decode"](0))
                 row = {"shape": name, "weights": kind, "M": M, "rel_err_grouped_vs_decode": err,
