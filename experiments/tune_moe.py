@@ -138,6 +138,10 @@ def main():
         shapes, tune = {n: SHAPES[n] for n in args.shapes}, {**TUNE_DECODE, **(TUNE_PREFILL if args.prefill else {})}
     if args.m:
         tune = {m: b for m, b in tune.items() if m in args.m}
+    # dense experts take the grouped path above decode_max_m tokens (with the M > 64 buckets' configs): no decode
+    # entries of theirs to tune there
+    limit = tri.decode_max_m(FP8 if args.weights == "fp8" else dtype)
+    tune = {m: b for m, b in tune.items() if not limit < m <= tri.DECODE_MAX_M}
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     out = Path(args.out) if args.out else gpu_config_path(tri.CONFIG_DIR, gpu)
     table = json.loads(out.read_text()) if out.exists() else {}

@@ -5,7 +5,8 @@ Shapes: M tokens, H hidden, E experts, I expert intermediate, Is shared intermed
 P = M * K (token, expert) pairs. Every program that does an expert's work owns one expert and all its pairs in
 this call, so each selected expert's weight tile is streamed once.
 
-Decode (M <= DECODE_MAX_M): two launches, no host sync, no float atomics.
+Decode (M <= decode_max_m: 16 tokens for dense experts, 64 for fp8 ones): two launches, no host sync, no float
+atomics.
   M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
         streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
         expert in fixed order, summing in registers (no partials, counters or atomics).
@@ -73,7 +74,12 @@ from kernels.tuned import load_table
 
 __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 
-DECODE_MAX_M = 64
+DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
+# dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
+# results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
+# kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the
+# activations (~2.5e-2 relative error), the decode kernels keep them in bf16.
+DENSE_DECODE_MAX_M = 16
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIGS = {
@@ -129,6 +135,11 @@ CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_MOE_DEFAULT_CONFIGS")
 
 
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
+def decode_max_m(dtype: torch.dtype) -> int:
+    """The most tokens moe_block runs on the decode kernels for experts of `dtype` (above: the grouped path)."""
+    return DECODE_MAX_M if dtype == FP8 else DENSE_DECODE_MAX_M
+
+
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
@@ -1146,7 +1157,7 @@ def fused_moe(
 def moe_block_prefill(
     x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None, first=None
 ) -> torch.Tensor:
-    """The block for M > DECODE_MAX_M: route, the aligned grouped experts' partials, the shared expert (its
+    """The block above decode_max_m tokens: route, the aligned grouped experts' partials, the shared expert (its
     activation one kernel, its down projection on cuBLAS; an fp8 one dequantized per call), then one kernel that
     sums each token's partials and adds the gated shared output (naive.moe_block's roundings). first: expert
     parallel (moe_block_ep): w13 / w2 hold experts first .. first + El - 1 of the router's; the other pairs'
@@ -1181,7 +1192,7 @@ def moe_block_prefill(
 def _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales):
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    if x.shape[0] <= DECODE_MAX_M:
+    if x.shape[0] <= decode_max_m(w13.dtype):
         return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales)
     return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales)
 
@@ -1215,8 +1226,9 @@ def moe_block(
     top_k: int,
     *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights (kernels/fp8.py), or none
 ) -> torch.Tensor:
-    """The sparse MoE block after its fused input projection -> [M, H]: M <= 64 in two launches (moe_block_decode),
-    above on the aligned grouped path. Through the custom op only while tracing; eager launches directly."""
+    """The sparse MoE block after its fused input projection -> [M, H]: up to decode_max_m tokens (16 dense, 64
+    fp8) in two launches (moe_block_decode), above on the aligned grouped path. Through the custom op only while
+    tracing; eager launches directly."""
     if kernels.tracing():
         return _moe_block_op(x, proj, w13, w2, shared_down_proj, top_k, *scales)
     return _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales)
@@ -1228,7 +1240,7 @@ def moe_block(
 def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales):
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    if x.shape[0] <= DECODE_MAX_M:
+    if x.shape[0] <= decode_max_m(w13.dtype):
         return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales, first=first)
     return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=first)
 
@@ -1266,9 +1278,10 @@ def moe_block_ep(
 ) -> torch.Tensor:
     """Expert parallel: this rank's share of the block -> [M, H]; pairs routed to another rank's experts weigh 0
     (the all-reduce after the block adds the other shares), on the kernels one GPU runs at that M: M = 1 the GEMV
-    kernels (a program whose expert another rank holds loads nothing), M <= 64 the decode kernels (a grid column
-    per expert of this rank, and one that marks the other ranks' pairs, whose partials the down kernel writes as
-    0), above the aligned grouped path (the other ranks' pairs grouped after this rank's experts and skipped)."""
+    kernels (a program whose expert another rank holds loads nothing), M <= decode_max_m the decode kernels (a
+    grid column per expert of this rank, and one that marks the other ranks' pairs, whose partials the down kernel
+    writes as 0), above the aligned grouped path (the other ranks' pairs grouped after this rank's experts and
+    skipped)."""
     if kernels.tracing():
         return _moe_block_ep_op(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)
     return _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kernels.fp8 import FP8
 from kernels.moe import naive
 from kernels.moe import triton as moe
 from qmoe.model import build_model
@@ -289,12 +290,32 @@ def test_moe_block_strided_proj():
     )
 
 
-@pytest.mark.parametrize("M", [64, 65], ids=["decode-limit", "prefill-first"])
+@pytest.mark.parametrize("M", [16, 17, 64, 65], ids=["dense-decode-limit", "dense-grouped-first", "decode-limit",
+                                                   "prefill-first"])  # fmt: skip
 def test_moe_block_handover(M):
-    """M = 64 is the last decode size (P = 128 pair slots, 4 rank chunks), M = 65 the first prefill one."""
+    """Dense experts: M = 16 is the last size on the decode kernels, 17 the first on the grouped path; M = 64 is the
+    decode kernels' own limit (P = 128 pair slots, 4 rank chunks: moe_block_decode serves it), 65 a prefill size."""
     args = block_args(M, 32, 8, 16, 16, torch.float32, seed=M)
     out = moe.moe_block(*args, top_k=2)
     assert rel_err(out, block_reference(args, 2)) < 1e-5
+    if M <= moe.DECODE_MAX_M:
+        assert rel_err(moe.moe_block_decode(*args, 2), block_reference(args, 2)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,last", [(torch.float32, 16), (torch.bfloat16, 16), (FP8, 64)])
+def test_moe_block_path_by_tokens_and_experts_dtype(monkeypatch, dtype, last):
+    """moe_block and moe_block_ep run the decode kernels up to decode_max_m tokens (dense experts 16: above it the
+    grouped path is faster on the H200; fp8 experts 64: their grouped path quantizes the activations) and the
+    grouped path from the next token on."""
+    taken = []
+    monkeypatch.setattr(moe, "moe_block_decode", lambda x, *a, **k: taken.append("decode") or x)
+    monkeypatch.setattr(moe, "moe_block_prefill", lambda x, *a, **k: taken.append("grouped") or x)
+    for M in (1, last, last + 1):
+        x, proj = torch.zeros(M, 8), torch.zeros(M, 4 + 2 * 2 + 1)
+        w13, w2, sd = torch.zeros(4, 4, 8, dtype=dtype), torch.zeros(4, 8, 2, dtype=dtype), torch.zeros(8, 2)
+        moe.moe_block(x, proj, w13, w2, sd, 2)
+        moe.moe_block_ep(x, proj, w13, w2, sd, 2, 0)
+    assert taken == ["decode"] * 4 + ["grouped"] * 2
 
 
 def test_moe_block_decode_is_deterministic():
@@ -435,14 +456,15 @@ def gpu_reference(args, top_k, rows=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1, 7, 64, 65, 512], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("M", [1, 7, 16, 17, 64, 65, 512], ids=lambda m: f"M{m}")
 def test_moe_block_35b_gpu(M, dtype):
-    """35B-A3B shapes, both regimes, with the tuned table when present; the decode path with poisoned scratch."""
+    """35B-A3B shapes, both regimes (the decode kernels up to 16 tokens, 17 and 64 on the grouped path), with the
+    tuned table when present; the decode path with poisoned scratch."""
     s = QWEN35B
     args = gpu_block(M, s, dtype)
     out = moe.moe_block(*args, s["K"])
     assert rel_err(out, gpu_reference(args, s["K"])) < TOL[dtype]
-    if M <= moe.DECODE_MAX_M:
+    if M <= moe.decode_max_m(dtype):
         config = moe.get_config(M, s["E"], s["H"], s["I"], dtype)
         scratch = decode_poisoned(args[0], s["I"], s["K"], config)
         assert torch.equal(moe.moe_block_decode(*args, s["K"], scratch=scratch), out)  # bit-reproducible
