@@ -1,5 +1,7 @@
 """qmoe/checkpoint/staging.py: positioned reads (in pieces, on threads) and the chunked staging copy."""
 
+import os
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -44,6 +46,18 @@ def test_reads_equal_safetensors_reads(tmp_path, monkeypatch, piece):
             raw(into).fill_(0xFF)  # every byte set: a byte left unread would show
             reader.read_into(key, into)
             assert torch.equal(raw(into), raw(expected)), key
+
+
+def test_short_reads_continue(tmp_path, monkeypatch):
+    """preadv may return fewer bytes than asked (a signal, a pipe-backed file): the read goes on from there."""
+    preadv = os.preadv
+    monkeypatch.setattr(staging.os, "preadv", lambda fd, bufs, offset: preadv(fd, [bufs[0][:5]], offset))
+    tensors = stored_tensors()
+    file = tmp_path / "shard.safetensors"
+    save_file(tensors, file)
+    with ShardReader(file) as reader:
+        for key, expected in tensors.items():
+            assert torch.equal(raw(reader.host_tensor(key)), raw(expected)), key
 
 
 def test_read_into_refuses_another_dtype_or_shape(tmp_path):
