@@ -1,6 +1,7 @@
 """qmoe/checkpoint/staging.py: positioned reads (in pieces, on threads) and the chunked staging copy."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -58,6 +59,34 @@ def test_short_reads_continue(tmp_path, monkeypatch):
     with ShardReader(file) as reader:
         for key, expected in tensors.items():
             assert torch.equal(raw(reader.host_tensor(key)), raw(expected)), key
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_reads_in_a_forked_child(tmp_path, monkeypatch):
+    """A child forked after the parent's reads has none of the parent's reader threads: it reads with its own."""
+    monkeypatch.setattr(staging, "READ_PIECE", 16)  # several pieces: the pool is used
+    tensors = stored_tensors()
+    file = tmp_path / "shard.safetensors"
+    save_file(tensors, file)
+    with ShardReader(file) as reader:
+        reader.host_tensor("f32")  # the parent's pool now exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if every tensor reads back right
+        ok = False
+        try:
+            with ShardReader(file) as reader:
+                ok = all(torch.equal(raw(reader.host_tensor(k)), raw(x)) for k, x in tensors.items())
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child's read hung")
 
 
 def test_read_into_refuses_another_dtype_or_shape(tmp_path):

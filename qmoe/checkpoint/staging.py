@@ -28,13 +28,15 @@ DTYPES = {
 STAGE_BYTES = 64 << 20  # per pinned buffer: large enough that a copy's fixed cost is small, two of them in flight
 READ_PIECE = 8 << 20  # bytes per positioned read: a stage's pieces go to the threads together
 READ_THREADS = min(8, os.cpu_count() or 1)
-_readers: list[ThreadPoolExecutor] = []  # one pool per process, made at the first read that has several pieces
+_readers: dict[int, ThreadPoolExecutor] = {}  # pid -> its pool, made at its first read that has several pieces
 
 
 def _pool() -> ThreadPoolExecutor:
-    if not _readers:
-        _readers.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qmoe-read"))
-    return _readers[0]
+    """This process's reader threads (a forked child gets its own: the parent's threads do not exist in it)."""
+    pid = os.getpid()
+    if pid not in _readers:
+        _readers[pid] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qmoe-read")
+    return _readers[pid]
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
