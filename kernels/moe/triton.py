@@ -134,12 +134,12 @@ def m_bucket(M: int) -> int:
 CONFIG_TABLE = load_table(CONFIG_DIR, "QMOE_MOE_DEFAULT_CONFIGS")
 
 
-@functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def decode_max_m(dtype: torch.dtype) -> int:
     """The most tokens moe_block runs on the decode kernels for experts of `dtype` (above: the grouped path)."""
     return DECODE_MAX_M if dtype == FP8 else DENSE_DECODE_MAX_M
 
 
+@functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
