@@ -250,6 +250,13 @@ def test_moe_block_gemv_is_deterministic_and_default():
     assert torch.equal(moe.moe_block(*args, top_k=3), out)
 
 
+def test_get_config_is_cached():
+    """The table lookup formats a key: it runs once per shape, not per call (host time of every eager MoE call),
+    and tune_decode_loop clears the cache when it swaps tables."""
+    assert moe.get_config(1, 6, 40, 24, torch.float32) is moe.get_config(1, 6, 40, 24, torch.float32)
+    moe.get_config.cache_clear()
+
+
 def test_moe_block_gemv_config_needs_one_token():
     args = block_args(2, 32, 8, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="M = 1 only"):
