@@ -22,7 +22,7 @@ import os
 
 import torch
 
-__all__ = ["cdiv", "fast_launch", "launch_options", "next_power_of_2"]
+__all__ = ["cdiv", "fast_launch", "next_power_of_2"]
 
 ENABLED = os.environ.get("QMOE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -41,12 +41,6 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def launch_options(config: dict) -> dict:
-    """A config's Triton launch options: num_warps, num_stages and, if capped, maxnreg (registers per thread)."""
-    cap = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
-    return dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **cap)
 
 
 def _key(args: tuple) -> tuple:

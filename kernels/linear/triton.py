@@ -49,7 +49,7 @@ import triton.language as tl
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
-from kernels.launch import cdiv, fast_launch, launch_options, next_power_of_2
+from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -191,6 +191,12 @@ def make_plan(
         **launch_options(config),
     )  # fmt: skip
     return grid, split, blocks_per_split * bk, meta
+
+
+def launch_options(config: dict) -> dict:
+    """The config's Triton launch options: num_warps, num_stages and, if capped, maxnreg."""
+    cap = {MAXNREG_KEY: config[MAXNREG_KEY]} if config.get(MAXNREG_KEY) else {}
+    return dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **cap)
 
 
 _PLANS: dict = {}  # (N, K, dtype, M) -> make_plan(...) for the table's (or the default) config; FP8 x FP8 prefill
