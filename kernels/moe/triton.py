@@ -1012,12 +1012,10 @@ def _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
 def _moe_up_sorted_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr, xs_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_FP8: tl.constexpr, SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
     """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. A_FP8: the
-    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128).
-    SCALED: fp8 experts and x in its own dtype, each K step's tile converted (exact) and its product scaled, as
-    the decode kernels do (BLOCK_K <= 128)."""
+    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128)."""
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
@@ -1027,9 +1025,6 @@ def _moe_up_sorted_kernel(
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
             _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
-        elif SCALED:
-            s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
-            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, True)
         else:
             _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, w13_s_ptr, TOP_K, BLOCK_K, False)
 
@@ -1039,11 +1034,10 @@ def _moe_up_sorted_kernel(
 def _moe_down_sorted_kernel(
     h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr, hs_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_FP8: tl.constexpr, SCALED: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):  # fmt: skip
     """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. A_FP8: fp8 experts and an fp8 h
-    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128). SCALED: fp8 experts and h in its own
-    dtype (the up kernel's SCALED)."""
+    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
     if used:
@@ -1052,9 +1046,6 @@ def _moe_down_sorted_kernel(
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
             acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
-        elif SCALED:
-            s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
-            acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, True)
         else:
             acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, w2_s_ptr, BLOCK_K, False)
         rows = pairs.to(tl.int64)
@@ -1101,14 +1092,12 @@ def _combine_kernel(partials_ptr, shared_ptr, gate_logit_ptr, out_ptr, H, stride
 
 
 def routed_partials_into(
-    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None, others=False,
-    fp8_x=True,
-) -> torch.Tensor:  # fmt: skip
+    x, w13, w2, topk_weights, topk_ids, h, partials, config=None, w13_scale=None, w2_scale=None, others=False
+) -> torch.Tensor:
     """Each (token, k) pair's weighted expert output -> partials [P, H] (rows t * K + k), on the aligned grouped
     path with caller-owned scratch: h [P, I] and partials in x's dtype (tests pass NaN-filled ones, so a row the
     kernels forget reaches the output). config overrides the table (tests, tuner); the scales: those of fp8
-    experts, which run FP8 x FP8 (fp8_x): x quantized by the pre-pass before the up kernel, h after it (four
-    launches); fp8_x=False keeps x and h in x's dtype and converts each weight tile (the decode kernels' math).
+    experts, which run FP8 x FP8: x quantized by the pre-pass before the up kernel, h after it (four launches).
     others: ids == E name pairs of experts this rank does not hold (expert parallel), grouped after the E experts
     and never computed: their partials rows keep what the caller put there."""
     M, H = x.shape
@@ -1126,16 +1115,15 @@ def routed_partials_into(
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     sorted_pairs, ends = align_pairs(ids, E + others, block_m)  # the kernels skip blocks past the E-th group
     num_blocks, block_e = sorted_pairs.numel() // block_m, next_power_of_2(E)
-    a_fp8, scaled = fp8 and fp8_x, fp8 and not fp8_x
-    x_a, x_s = quantize_activations(x) if a_fp8 else (x, x)  # x_s unread unless a_fp8
+    x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
     _moe_up_sorted_kernel[(cdiv(I, up["BLOCK_N"]), num_blocks)](
         x_a, w13, h, sorted_pairs, ends, P, E, H, I, w13_s, x_s,
-        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=a_fp8, SCALED=scaled, **up,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **up,
     )  # fmt: skip
-    h_a, h_s = quantize_activations(h) if a_fp8 else (h, h)
+    h_a, h_s = quantize_activations(h) if fp8 else (h, h)
     _moe_down_sorted_kernel[(cdiv(H, down["BLOCK_N"]), num_blocks)](
         h_a, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s, h_s,
-        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=a_fp8, SCALED=scaled, **down,
+        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **down,
     )  # fmt: skip
     return partials
 
@@ -1167,15 +1155,13 @@ def fused_moe(
 
 
 def moe_block_prefill(
-    x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None, first=None,
-    fp8_x=True,
-) -> torch.Tensor:  # fmt: skip
+    x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, shared_down_scale=None, first=None
+) -> torch.Tensor:
     """The block above decode_max_m tokens: route, the aligned grouped experts' partials, the shared expert (its
     activation one kernel, its down projection on cuBLAS; an fp8 one dequantized per call), then one kernel that
     sums each token's partials and adds the gated shared output (naive.moe_block's roundings). first: expert
     parallel (moe_block_ep): w13 / w2 hold experts first .. first + El - 1 of the router's; the other pairs'
-    partials are 0. fp8_x: fp8 experts run FP8 x FP8 on quantized activations (False: on x's dtype, the decode
-    kernels' tile math; experiments/probe_moe_batch_path.py times it against them)."""
+    partials are 0."""
     El, Is = w13.shape[0], shared_down_proj.shape[1]
     E = router_experts(proj, Is)
     router_logits, gate, up, gate_logit = split_projection(proj, E, Is)
@@ -1186,7 +1172,7 @@ def moe_block_prefill(
         local = topk_ids - first
         topk_ids = torch.where((local >= 0) & (local < El), local, El)
     others = first is not None
-    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale, others, fp8_x)
+    routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale, others)
     down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
     act = torch.empty((M, Is), dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(M, cdiv(Is, COMBINE_BLOCK_H))](

@@ -178,23 +178,6 @@ def test_fp8_sorted_prefill_is_fp8_x_fp8(M, H, E, I, K, experts, reason, dtype):
     assert rel_err(partials.view(M, K, H).double().sum(1), exact) < PREFILL_ACT_TOL, reason
 
 
-@pytest.mark.parametrize("dtype", [F32, F16])  # bf16: the interpreter's tl.dot on bf16 is wrong (the GPU test below)
-@pytest.mark.parametrize("M,H,E,I,K,experts,reason", PREFILL_CASES, ids=[c[-1].split(";")[0] for c in PREFILL_CASES])
-def test_fp8_sorted_weight_only_keeps_the_activations(M, H, E, I, K, experts, reason, dtype):
-    """fp8_x=False: the sorted kernels with fp8 experts and x, h in their own dtype (the decode kernels' tile math,
-    each weight tile converted exactly and its product scaled), NaN scratch, against float64 on the dequantized
-    experts and the unquantized x: only the stores' rounding, no activation quantization."""
-    args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, dtype, shared_fp8=False, seed=M + I)
-    x, _, w13, w2, _ = args
-    weights, ids = make_routing(M, E, K, experts=experts, seed=M)
-    h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
-    with exact_fp8_interpreter():
-        moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, PREFILL_FP8_SMALL, s13, s2, fp8_x=False)
-    f64 = torch.float64
-    exact = naive.fused_moe(x.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), weights.double(), ids)
-    assert rel_err(partials.view(M, K, H).double().sum(1), exact) < 2 * PREFILL_TOL[dtype], reason
-
-
 def test_fp8_sorted_prefill_configs_are_checked():
     """FP8 x FP8 steps one 128-wide scale group per K step: a prefill config with another BLOCK_K is one line."""
     M, H, E, I, K = 40, 300, 6, 136, 2
@@ -284,20 +267,6 @@ def test_fp8_moe_gemv_gpu_wide_steps(H, I, up_k, down_k):
         x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), dequantize(shared, s_shared), K
     )
     assert rel_err(out, ref) < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [17, 64])
-def test_fp8_grouped_weight_only_gpu_35b(M):
-    """moe_block_prefill(fp8_x=False) at the 35B shape in bf16 (the grouped path with the decode kernels' tile
-    math): as close to fp32 on the dequantized weights as the decode kernels are, and bit-reproducible."""
-    args, scales = fp8_block_args(M, 2048, 256, 512, 512, torch.bfloat16, shared_fp8=True, seed=M)
-    args, scales = tuple(a.cuda() for a in args), tuple(sc.cuda() for sc in scales)
-    ref = reference(args, scales, 8)
-    grouped = moe.moe_block_prefill(*args, 8, *scales, fp8_x=False)
-    decode = moe.moe_block_decode(*args, 8, None, None, *scales)
-    assert rel_err(grouped, ref) < 2e-2 and rel_err(grouped, ref) < 1.5 * rel_err(decode, ref) + 1e-3
-    assert torch.equal(moe.moe_block_prefill(*args, 8, *scales, fp8_x=False), grouped)
 
 
 @pytest.mark.gpu
