@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the carried wheels (hydra-core, omegaconf), then run the named stages
 # and pack results/ and the logs into $OUT. Usage: bash experiments/h200_session.sh STAGE [STAGE ...]
-# Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe, bench_moe, tune_gemv, bench_gemv,
+# Stages: env, hf_import, gpu_tests, kernel_tests (tests/kernel_ops only), tune_moe ($TUNE_MOE_ARGS), bench_moe ($BENCH_MOE_ARGS), tune_gemv, bench_gemv,
 #         bench_sampling (its options in $SAMPLING_ARGS), profile_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
 #         bench_checkpoint_fp8, tune_moe_fp8 (the FP8 experts' decode tiles; its options in $TUNE_MOE_ARGS), runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_fp8_prefill (pre-pass + linear FP8 x FP8 tiles vs cuBLAS bf16, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, probe_moe_path (MoE decode vs grouped paths at M = 2..64), barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), profile_loop (the graphed step kernel by kernel), ab / ab_fp8 (the step with
 #         the op files of $AB_VARIANTS, experiments/ab_decode_step.py), ab_sampling (the sampler's versions in $AB_SAMPLING,
@@ -53,9 +53,9 @@ except Exception as e:
     while c is not None:
         print('CAUSE', type(c).__name__, c)
         c = c.__cause__" ;;
-    tune_moe) run_stage tune_moe python3 experiments/tune_moe.py ;;
+    tune_moe) run_stage tune_moe python3 experiments/tune_moe.py ${TUNE_MOE_ARGS:-} ;;
     tune_moe_fp8) run_stage tune_moe_fp8 python3 experiments/tune_moe.py --weights fp8 ${TUNE_MOE_ARGS:-} ;;
-    bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ;;
+    bench_moe) run_stage bench_moe python3 experiments/bench_moe.py ${BENCH_MOE_ARGS:-} ;;
     tune_gemv) run_stage tune_gemv python3 experiments/tune_gemv.py ;;
     bench_gemv) run_stage bench_gemv python3 experiments/bench_gemv.py ;;
     bench_sampling) run_stage bench_sampling python3 experiments/bench_sampling.py $SAMPLING_ARGS ;;

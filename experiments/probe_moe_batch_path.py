@@ -23,7 +23,7 @@ from benchlib import copy_bandwidth_gbs, time_calls, write_json  # noqa: E402
 from kernels.fp8 import dequantize  # noqa: E402
 from kernels.moe import triton as moe  # noqa: E402
 
-M_VALUES = (2, 8, 16, 32, 64)
+M_VALUES = (2, 4, 8, 16, 32, 64)
 TOL = {"bf16": 2e-2, "fp8": 6e-2}  # the grouped fp8 path's activations are quantized per 128-wide group
 
 
