@@ -60,6 +60,16 @@ def _key(args: tuple) -> tuple:
     return tuple(key)
 
 
+def _current_device_and_stream() -> tuple:
+    """The active Triton driver's getters of the current device and of its current stream."""
+    from triton.runtime.driver import driver
+
+    current_device = driver.active.get_current_device
+    if current_device is torch.cuda.current_device:  # its Python _lazy_init(), which the C getter does too
+        current_device = torch._C._cuda_getDevice
+    return current_device, driver.active.get_current_stream
+
+
 class FastLaunch:
     """A @triton.jit kernel whose `[grid](...)` launches skip Triton's per-call work after the first per key."""
 
@@ -79,9 +89,7 @@ class FastLaunch:
     def launch(self, grid, args: tuple, kwargs: dict):
         """Launch on the current stream -> the CompiledKernel (as Triton's launch returns it)."""
         if self._driver is None:
-            from triton.runtime.driver import driver
-
-            self._driver = driver.active.get_current_device, driver.active.get_current_stream
+            self._driver = _current_device_and_stream()
         if not FastLaunch.enabled or callable(grid):  # a grid function needs Triton's bound arguments
             return self.fn[grid](*args, **kwargs)
         current_device, current_stream = self._driver
@@ -103,7 +111,7 @@ class FastLaunch:
         n = len(grid)
         kernel.run(
             grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device), kernel.function,
-            kernel.packed_metadata, None, None, None, *args, *[kwargs[name] for name in tail],
+            kernel.packed_metadata, None, None, None, *args, *map(kwargs.__getitem__, tail),
         )  # fmt: skip
         return kernel
 

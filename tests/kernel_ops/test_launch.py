@@ -99,3 +99,15 @@ def test_key_separates_what_triton_specializes_on():
     assert key((16,)) != key((17,)) and key((1,)) != key((2,))
     assert key((1,)) != key((True,)) and key((None,)) != key((0,))
     assert key((0.5,)) == key((2.0,)) and key((0.5,)) != key((0,))
+
+
+@pytest.mark.gpu
+def test_fast_path_getters_are_the_current_device_and_stream():
+    """The fast path's device getter (torch's C getter in place of torch.cuda.current_device) and stream getter
+    name the device and stream that torch.cuda would, on every device and on a side stream."""
+    current_device, current_stream = launch._current_device_and_stream()
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index):
+            assert current_device() == torch.cuda.current_device() == index
+            with torch.cuda.stream(torch.cuda.Stream()):
+                assert current_stream(index) == torch.cuda.current_stream(index).cuda_stream
