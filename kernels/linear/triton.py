@@ -636,7 +636,8 @@ def linear_into(
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
     on = pdl(x)
     if meta.get("PERSISTENT"):
-        meta = {k: v for k, v in meta.items() if k not in ("BLOCK_M", "PERSISTENT")}
+        meta = meta.copy()  # the plan's, without its two keys that are no kernel arguments (a copy: ~0.4 us less)
+        del meta["BLOCK_M"], meta["PERSISTENT"]
         _gemv_persistent_kernel[grid](
             x, weight, out, s, N, K, weight.stride(0), stride_sn, residual, norm_weight, normed, hidden,
             residual.stride(0), eps, NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
@@ -685,7 +686,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
         return _prefill_gemm(x, weight, out)
     # each reshape / view is a dispatcher call (~2 us of host time, eager): only where the shapes need one
     x2 = x if x.dim() == 2 else x.reshape(M, K)
-    out2 = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
+    out2 = x.new_empty((M, N)) if out is None else out.view(M, N)  # torch.empty's dtype / device: ~0.5 us more
     linear_into(x2, weight, out2, scale=scale)
     return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], N)
 

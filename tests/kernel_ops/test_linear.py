@@ -81,6 +81,18 @@ def test_persistent_gemv(N, K, cfg, reason, dtype):
     assert torch.equal(hidden, x + residual), reason
 
 
+def test_persistent_launch_keeps_the_cached_plan(monkeypatch):
+    """The op's cached persistent plan (the H200 table's in-projections) launches again and again: the launch takes
+    BLOCK_M and PERSISTENT off a copy of its kernel arguments, never off the cached plan."""
+    N, K = 37, 53
+    plan = lin.make_plan(1, N, K, persistent(4, 64, 1))
+    monkeypatch.setitem(lin._PLANS, (N, K, torch.float32, 1), plan)
+    x, w = make(1, N, K, torch.float32, seed=3)
+    for _ in range(2):
+        assert rel_err(lin.linear(x, w), reference(x, w)) < TOL[torch.float32]
+    assert plan[3]["PERSISTENT"] and plan[3]["BLOCK_M"] == 1
+
+
 def test_persistent_gemv_bad_configs():
     """What the persistent GEMV cannot run is refused by name: a row that does not fit one tile, M > 1, split-K,
     the dot path, a negative count (fp8 weights it runs: test_linear_fp8)."""
