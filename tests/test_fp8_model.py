@@ -8,6 +8,7 @@ from compose import compose_config
 from kernels.fp8 import FP8, dequantize, quantize_rows, rows_from_blocks, rows_from_channels
 from qmoe import run_experiment
 from qmoe.model import build_model, fp8_parameters, fp8_weight_names, weight_nbytes
+from qmoe.model.qwen35_moe import scale_of
 from qmoe.settings import ConfigError, validate
 from tests.helpers import rel_err, tiny_config
 
@@ -85,6 +86,25 @@ def test_fused_fp8_groups_are_views_of_one_buffer():
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     assert sum(storages.values()) == weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8"))
     assert weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) < 0.7 * weight_nbytes(ODD, torch.bfloat16)
+
+
+def test_scale_of_names_each_weights_scale():
+    """scale_of reads what getattr would: the fp8 parameters' and fused buffers' scales, None for dense weights
+    (a registered None buffer or nothing registered)."""
+    model = build_model(ODD, torch.bfloat16, "cpu", seed=0, fp8=fp8_weight_names(ODD, "fp8"))
+    modules = dict(model.named_modules())
+    for name, p in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        if not leaf.endswith("_scale"):
+            scale = scale_of(modules[path], leaf)
+            assert scale is getattr(modules[path], f"{leaf}_scale", None), name
+            assert (scale is not None) == (p.dtype == FP8), name
+    for name, _ in model.named_buffers():
+        path, _, leaf = name.rpartition(".")
+        if leaf in ("in_proj", "qkv_proj"):
+            assert scale_of(modules[path], leaf) is getattr(modules[path], f"{leaf}_scale"), name
+    assert any(scale_of(m, "in_proj") is None for m in modules.values() if "in_proj_scale" in m._buffers)
+    assert any(scale_of(m, "in_proj") is not None for m in modules.values() if "in_proj_scale" in m._buffers)
 
 
 def test_app_runs_fp8_weights(tmp_path):
