@@ -101,21 +101,28 @@ def tune_m(M, s, weights, device, dtype, scales=(None, None, None)):
             print(f"  skip {config}: {type(err).__name__}", flush=True)
             return float("inf")
 
-    kind = "gemv" if M == 1 else "decode" if decode else "prefill"
-    default = tri.get_config(M, s["E"], s["H"], s["I"], FP8 if fp8 else dtype) if fp8 else tri.DEFAULT_CONFIGS[kind]
-    ups, downs, block_ms = {
-        "gemv": (GEMV_UP, GEMV_DOWN, (1,)),
-        "decode": (DECODE_UP, DECODE_DOWN, (16,)),
-        "prefill": (PREFILL_UP, PREFILL_DOWN, PREFILL_FP8_BLOCK_M if fp8 else PREFILL_BLOCK_M),
-    }[kind]
-    if fp8:
-        ups, downs = fp8_candidates(kind, ups, downs)
-    candidates = [(bm, launch(u)) for bm in block_ms for u in ups]
-    timed = [(measure({"BLOCK_M": bm, "up": up, "down": default["down"]}), bm, up) for bm, up in candidates]
-    _, block_m, up = min(timed, key=lambda t: t[0])
-    timed = [(measure({"BLOCK_M": block_m, "up": up, "down": launch(d)}), launch(d)) for d in downs]
-    us, down = min(timed, key=lambda t: t[0])
-    return {"BLOCK_M": block_m, "up": up, "down": down}, us
+    # the kinds of kernels that can serve M: up to GEMV_MAX_M tokens the GEMV kernels race the tiled ones
+    kinds = ["gemv"] if M == 1 else (["gemv"] if M <= tri.GEMV_MAX_M else []) + ["decode"] if decode else ["prefill"]
+    best = []
+    for kind in kinds:
+        default = tri.DEFAULT_CONFIGS[{"gemv": "gemv_fp8", "prefill": "prefill_fp8"}.get(kind, kind) if fp8 else kind]
+        ups, downs, block_ms = {
+            "gemv": (GEMV_UP, GEMV_DOWN, (1,)),
+            "decode": (DECODE_UP, DECODE_DOWN, (16,)),
+            "prefill": (PREFILL_UP, PREFILL_DOWN, PREFILL_FP8_BLOCK_M if fp8 else PREFILL_BLOCK_M),
+        }[kind]
+        if fp8:
+            ups, downs = fp8_candidates(kind, ups, downs)
+        candidates = [(bm, launch(u)) for bm in block_ms for u in ups]
+        timed = [(measure({"BLOCK_M": bm, "up": up, "down": default["down"]}), bm, up) for bm, up in candidates]
+        _, block_m, up = min(timed, key=lambda t: t[0])
+        timed = [(measure({"BLOCK_M": block_m, "up": up, "down": launch(d)}), launch(d)) for d in downs]
+        us, down = min(timed, key=lambda t: t[0])
+        best.append((us, {"BLOCK_M": block_m, "up": up, "down": down}))
+        if len(kinds) > 1:
+            print(f"  M={M} best {kind}: {us:.1f} us", flush=True)
+    us, config = min(best, key=lambda b: b[0])
+    return config, us
 
 
 def main():

@@ -7,9 +7,10 @@ this call, so each selected expert's weight tile is streamed once.
 
 Decode (M <= decode_max_m: 16 tokens for dense experts, 64 for fp8 ones): two launches, no host sync, no float
 atomics.
-  M = 1: GEMV-style kernels (BLOCK_M == 1 in the config): up program (N tile, k) ranks the token's logits and
-        streams its k-th expert's gate and up rows; down program (N tile) loops over the K experts and the shared
-        expert in fixed order, summing in registers (no partials, counters or atomics).
+  M = 1 (and up to GEMV_MAX_M tokens where the table says so): GEMV-style kernels (BLOCK_M == 1 in the config):
+        up program (N tile, pair t * K + k) ranks token t's logits and streams its k-th expert's gate and up rows;
+        down program (N tile, t) loops over token t's K experts and the shared expert in fixed order, summing in
+        registers (no partials, counters or atomics).
   up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
         routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
         with no token exits. Programs (0, e) write e's pair ids and softmax numerators exp(l_e - max l) for the
@@ -75,6 +76,10 @@ from kernels.tuned import load_table
 __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 
 DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
+# the most tokens the GEMV kernels serve (a table entry with BLOCK_M = 1 in the buckets up to here): each token's
+# pairs run on their own, so a batch of a few tokens keeps the M = 1 kernels' many narrow programs; tune_moe.py times
+# them against the tiled decode kernels at M = 2 and 4
+GEMV_MAX_M = 4
 # dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
 # results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
 # kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the
@@ -143,8 +148,8 @@ def decode_max_m(dtype: torch.dtype) -> int:
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
-    if tuned and (tuned["BLOCK_M"] == 1) == (M == 1):  # a GEMV entry only ever serves M = 1
-        return tuned
+    if tuned and (tuned["BLOCK_M"] > 1 or M <= GEMV_MAX_M) and (tuned["BLOCK_M"] == 1 or M > 1):
+        return tuned  # a GEMV entry serves up to GEMV_MAX_M tokens; M = 1 always runs a GEMV
     fp8 = dtype == FP8
     if M > DECODE_MAX_M:
         return DEFAULT_CONFIGS["prefill_fp8" if fp8 else "prefill"]
@@ -679,8 +684,10 @@ def moe_block_decode(
     scales = w13_scale, w2_scale, shared_down_scale
     experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, *scales)
     if config["BLOCK_M"] == 1:
-        if M != 1:
-            raise ValueError(f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M = 1 only, got M = {M}")
+        if M > GEMV_MAX_M:
+            raise ValueError(
+                f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M <= {GEMV_MAX_M} tokens, got M = {M}"
+            )
         flags = experts_fp8, shared_fp8
         return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags, first)
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
@@ -788,11 +795,11 @@ def _down_gemv_fp8(
 
 @triton.jit
 def _up_gemv_rows(
-    x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, pid_n, H, I,
+    x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, pair, pid_n, H, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     EXPERTS_FP8: tl.constexpr,
 ):  # fmt: skip
-    """h[k, offs_n] = silu(x @ gate^T) * (x @ up^T) over the rows offs_n of expert `expert` (an index into w13)."""
+    """h[pair, offs_n] = silu(x @ gate^T) * (x @ up^T) over the rows offs_n of expert `expert` (an index into w13)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past I re-read row I - 1 (unmasked loads keep the 16-byte vectors); the store drops them.
     rows = tl.minimum(offs_n, I - 1).to(tl.int64) * H
@@ -817,18 +824,19 @@ def _up_gemv_rows(
             x_ptrs += BLOCK_K
         gate = tl.sum(acc_gate, 1)  # [BLOCK_N]
         h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
-    tl.store(h_ptr + k * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+    tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
 @fast_launch
 @triton.jit
 def _moe_up_gemv_kernel(
-    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pe, w13_s_ptr, FIRST, EL,
+    x_ptr, proj_ptr, w13_ptr, h_ptr, weights_ptr, ids_ptr, E, H, I, stride_pm, stride_pe, w13_s_ptr, FIRST, EL,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     EXPERTS_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One token: program (N tile, k) -> h[k, offs_n] = silu(x @ gate_e^T) * (x @ up_e^T), e its k-th expert.
+    """Program (N tile, pair t * K + k) -> h[pair, offs_n] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), e token t's
+    k-th expert (each token's pairs on their own: two tokens of one expert stream it twice, the second from L2).
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
     reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
     loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert parallel): w13
@@ -837,33 +845,35 @@ def _moe_up_gemv_kernel(
     allow_dependents(PDL)
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
-    k = tl.program_id(1)
-    top_ids, top_weights = _token_topk(proj_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+    pair = tl.program_id(1)
+    t, k = pair // TOP_K, pair % TOP_K
+    x_ptr += t * H  # x is [M, H] contiguous
+    top_ids, top_weights = _token_topk(proj_ptr + t * stride_pm, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
     offs_top = tl.arange(0, BLOCK_TOP)
-    if (pid_n == 0) & (k == 0):  # the routing the down kernel reads
-        tl.store(weights_ptr + offs_top, top_weights, mask=offs_top < TOP_K)
-        tl.store(ids_ptr + offs_top, top_ids, mask=offs_top < TOP_K)
+    if (pid_n == 0) & (k == 0):  # the token's routing, which the down kernel reads
+        tl.store(weights_ptr + t * TOP_K + offs_top, top_weights, mask=offs_top < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + offs_top, top_ids, mask=offs_top < TOP_K)
     expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
     if EP:
         local = expert - FIRST
         if (local >= 0) & (local < EL):
-            _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, local, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
-                          EXPERTS_FP8)  # fmt: skip
+            _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, local, pair, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K,
+                          EVEN_K, EXPERTS_FP8)  # fmt: skip
     else:
-        _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, k, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
+        _up_gemv_rows(x_ptr, w13_ptr, h_ptr, w13_s_ptr, expert, pair, pid_n, H, I, BLOCK_N, BLOCK_K, SUB_K, EVEN_K,
                       EXPERTS_FP8)  # fmt: skip
 
 
 @fast_launch
 @triton.jit
 def _moe_down_gemv_kernel(
-    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pe,
+    h_ptr, proj_ptr, w2_ptr, shared_down_ptr, weights_ptr, ids_ptr, out_ptr, E, H, I, IS, stride_pm, stride_pe,
     w2_s_ptr, sd_s_ptr, FIRST, EL,
     TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr, BLOCK_S: tl.constexpr, EXPERTS_FP8: tl.constexpr, SHARED_FP8: tl.constexpr,
     EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One token, token-major: program n -> out[offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[k] (k in order),
+    """Token-major: program (n, t) -> out[t, offs_n] = sum_k weight_k * w2[e_k][offs_n] @ h[t, k] (k in order),
     + sigmoid(gate logit) * shared_down[offs_n] @ (silu(gate) * up). All K experts' rows load as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile (many independent 16-byte loads in flight); the sum over experts stays in
     registers: no partials, no counters, no atomics, bit-reproducible. The shared expert's rows [BLOCK_N, Is]
@@ -880,6 +890,12 @@ def _moe_down_gemv_kernel(
         s_cols = sd_s_ptr + (rows * tl.cdiv(IS, 128))[:, None] + (offs_s // 128)[None, :]
         ws = ws * tl.load(s_cols, mask=s_mask[None, :], other=0.0)
     wait_for_producers(PDL)
+    t = tl.program_id(1)  # the token: its routing, its h rows, its proj row and its output row
+    ids_ptr += t * TOP_K
+    weights_ptr += t * TOP_K
+    h_ptr += t * TOP_K * I
+    proj_ptr += t * stride_pm
+    out_ptr += t * H
     offs_top = tl.arange(0, BLOCK_TOP)
     top_mask = offs_top < TOP_K
     ids = tl.load(ids_ptr + offs_top, mask=top_mask, other=0)
@@ -913,10 +929,11 @@ def _moe_down_gemv_kernel(
 def moe_block_gemv(
     x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8, first=None
 ) -> torch.Tensor:  # fmt: skip
-    """The block for one token in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode has checked
+    """The block for M <= GEMV_MAX_M tokens in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode
+    has checked
     the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first + El - 1
     of the E = proj's router columns (None: all of them)."""
-    H = x.shape[1]
+    M, H = x.shape
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     E = router_experts(proj, IS)
@@ -927,14 +944,14 @@ def moe_block_gemv(
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
     on = pdl(x)
-    _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, proj.stride(1), w13_s, ep["FIRST"],
+    _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), M * top_k)](
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, *proj.stride(), w13_s, ep["FIRST"],
         ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
         SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
-    _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]),)](
+    _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]), M)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        proj.stride(1), w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
+        *proj.stride(), w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
         BLOCK_S=next_power_of_2(IS), SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8,
         SHARED_FP8=shared_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **down,
     )  # fmt: skip

@@ -149,7 +149,7 @@ def test_moe_block_decode(M, H, E, I, Is, K, router, reason, dtype):
     assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
 
 
-# The GEMV path (M = 1) with tiles below H and I, so its K loops and N tiles both run.
+# The GEMV path (M <= GEMV_MAX_M) with tiles below H and I, so its K loops and N tiles both run.
 GEMV_SMALL = {
     "BLOCK_M": 1,
     "up": {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
@@ -164,13 +164,16 @@ GEMV_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3], ids=["one token", "3 tokens: each token's pairs and output row apart"])
 @pytest.mark.parametrize("H,E,I,Is,K,reason", GEMV_CASES, ids=[c[-1].split(":")[0] for c in GEMV_CASES])
-def test_moe_block_gemv(H, E, I, Is, K, reason, dtype):
-    """One token on the GEMV kernels, every scratch buffer poisoned; the routing they hand over is the reference's."""
-    args = block_args(1, H, E, I, Is, dtype, seed=H)
+def test_moe_block_gemv(H, E, I, Is, K, reason, M, dtype):
+    """M tokens on the GEMV kernels, every scratch buffer poisoned; the routing they hand over is the reference's.
+    At M = 3 tokens share experts (E <= 13, K >= 2; K = E in one case: all of them), and a token that read
+    another's x, proj row, routing or h rows, or wrote another's output row, differs from the reference."""
+    args = block_args(M, H, E, I, Is, dtype, seed=H)
     scratch = decode_poisoned(args[0], I, K, GEMV_SMALL)
     out = moe.moe_block_decode(*args, K, config=GEMV_SMALL, scratch=scratch)
-    assert out.data_ptr() == scratch["out"].data_ptr() and out.shape == (1, H) and out.dtype == dtype
+    assert out.data_ptr() == scratch["out"].data_ptr() and out.shape == (M, H) and out.dtype == dtype
     assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
     ref_w, ref_ids = naive.route(args[1][:, :E].float(), K)
     assert torch.equal(scratch["i32"].long(), ref_ids.flatten())
@@ -197,6 +200,7 @@ def rank_share(args, ep, rank):
 EP_CASES = [
     (1, 2, None, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
     (1, 4, None, "one token, 4 ranks: most of a token's experts are elsewhere"),
+    (3, 2, None, "3 tokens on the GEMV kernels: each token's experts of the other rank masked apart"),
     (5, 2, None, "M <= 64: the decode kernels, the other rank's pairs marked by the grid's extra column"),
     (20, 2, same_experts([0, 1, 2]), "every token on rank 0's experts: rank 1 computes nothing but zeros"),
     (70, 4, None, "prefill-sized M on 4 ranks: the aligned path, the other ranks' pairs grouped and skipped"),
@@ -213,7 +217,7 @@ def test_moe_block_expert_parallel(M, ep, router, reason):
         x, proj, w13, w2, shared_down = share_args
         ref = naive.ep_moe_block(x.double(), proj.double(), w13.double(), w2.double(), shared_down.double(), K, first)
         if M <= moe.DECODE_MAX_M:  # small tiles and poisoned scratch: ids, weights and partials of every pair set
-            config = GEMV_SMALL if M == 1 else SMALL
+            config = GEMV_SMALL if M <= moe.GEMV_MAX_M else SMALL
             scratch = decode_poisoned(args[0], I, K, config)
             small = moe.moe_block_decode(*share_args, K, config=config, scratch=scratch, first=first)
             assert rel_err(small, ref) < TOL[torch.float32], (reason, rank)
@@ -257,10 +261,28 @@ def test_get_config_is_cached():
     moe.get_config.cache_clear()
 
 
-def test_moe_block_gemv_config_needs_one_token():
-    args = block_args(2, 32, 8, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="M = 1 only"):
+def test_moe_block_gemv_config_serves_few_tokens():
+    args = block_args(moe.GEMV_MAX_M + 1, 32, 8, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=f"serves M <= {moe.GEMV_MAX_M} tokens"):
         moe.moe_block_decode(*args, 2, config=GEMV_SMALL)
+
+
+def test_get_config_takes_a_gemv_entry_up_to_gemv_max_m(monkeypatch):
+    """A table entry's kind decides the kernels: a GEMV entry (BLOCK_M = 1) serves its bucket's M up to GEMV_MAX_M
+    (tune_moe picks it there when it beats the tiles), a tiled entry never serves M = 1, and M = 1 without an entry
+    runs the default GEMV."""
+    gemv, tiled = {**GEMV_SMALL}, {**SMALL}
+    table = {moe.shape_key(8, 32, 16, torch.float32): {"1": tiled, "2": tiled, "4": gemv, "8": gemv}}
+    monkeypatch.setattr(moe, "CONFIG_TABLE", table)
+    moe.get_config.cache_clear()
+    try:
+        assert moe.get_config(3, 8, 32, 16, torch.float32) is gemv  # bucket 4
+        assert moe.get_config(4, 8, 32, 16, torch.float32) is gemv
+        assert moe.get_config(2, 8, 32, 16, torch.float32) is tiled
+        assert moe.get_config(1, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["gemv"]
+        assert moe.get_config(8, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["decode"]
+    finally:
+        moe.get_config.cache_clear()
 
 
 def test_moe_block_decode_hands_over_routing():

@@ -112,12 +112,13 @@ GEMV_CASES = [
 @pytest.mark.parametrize(
     "H,E,I,Is,K,up_k,down_k,router,dtype,shared_fp8,reason", GEMV_CASES, ids=[c[-1] for c in GEMV_CASES]
 )
-def test_fp8_moe_block_gemv(H, E, I, Is, K, up_k, down_k, router, dtype, shared_fp8, reason):
-    """M = 1 on the GEMV kernels: each BLOCK_K step loads its columns at once and scales each 128-column sub-step
+@pytest.mark.parametrize("M", [1, 2], ids=["one token", "2 tokens"])
+def test_fp8_moe_block_gemv(H, E, I, Is, K, up_k, down_k, router, dtype, shared_fp8, reason, M):
+    """M tokens on the GEMV kernels: each BLOCK_K step loads its columns at once and scales each 128-column sub-step
     by its own block's scale. Kills: one scale for every sub-step of a step (block 1 is 30x block 0), a scale
     index that restarts each step, a dropped K mask on the tail (the next row's weights), a scale read past K
     (nan_tailed: the last expert's last rows read NaN), scratch a kernel forgets to write (NaN)."""
-    args, scales = fp8_block_args(1, H, E, I, Is, dtype, shared_fp8, router, seed=H + up_k)
+    args, scales = fp8_block_args(M, H, E, I, Is, dtype, shared_fp8, router, seed=H + up_k)
     scales = tuple(None if s is None else nan_tailed(s) for s in scales)
     config = gemv_config(up_k, down_k)
     scratch = decode_poisoned(args[0], I, K, config)
