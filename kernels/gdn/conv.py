@@ -35,19 +35,28 @@ def _causal_conv1d_kernel(
     s_base = state_ptr + b * C * (KW - 1)
 
     acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        # tap j reads sequence position t - (KW-1) + j: the prompt when >= 0, else the conv state
-        src = t - (KW - 1) + j  # [BT]
-        from_x = (src >= 0) & (t < T)
-        xv = tl.load(x_base + src[:, None] * stride_xt + c[None, :], mask=from_x[:, None] & mc[None, :], other=0.0)
-        from_s = (src < 0) & (t < T)
-        sv = tl.load(
-            s_base + c[None, :] * (KW - 1) + (src + KW - 1)[:, None], mask=from_s[:, None] & mc[None, :], other=0.0
-        )
-        wj = tl.load(w_ptr + c * KW + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
-        # the input is cast to the state's dtype first, as the reference concatenates it onto the state
-        xs = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv).to(tl.float32)
-        acc += xs * wj[None, :]
+    # the input is cast to the state's dtype first, as the reference concatenates it onto the state
+    if pid_t > 0:  # BT >= KW - 1: every tap of this block reads the prompt (no state loads, no selects)
+        for j in tl.static_range(KW):
+            src = t - (KW - 1) + j  # [BT]
+            xv = tl.load(x_base + src[:, None] * stride_xt + c[None, :], mask=(t < T)[:, None] & mc[None, :],
+                         other=0.0)  # fmt: skip
+            wj = tl.load(w_ptr + c * KW + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
+            acc += xv.to(state_ptr.dtype.element_ty).to(tl.float32) * wj[None, :]
+    else:
+        for j in tl.static_range(KW):
+            # tap j reads sequence position t - (KW-1) + j: the prompt when >= 0, else the conv state
+            src = t - (KW - 1) + j  # [BT]
+            from_x = (src >= 0) & (t < T)
+            xv = tl.load(x_base + src[:, None] * stride_xt + c[None, :], mask=from_x[:, None] & mc[None, :],
+                         other=0.0)  # fmt: skip
+            from_s = (src < 0) & (t < T)
+            sv = tl.load(
+                s_base + c[None, :] * (KW - 1) + (src + KW - 1)[:, None], mask=from_s[:, None] & mc[None, :],
+                other=0.0,
+            )  # fmt: skip
+            wj = tl.load(w_ptr + c * KW + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
+            acc += tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv).to(tl.float32) * wj[None, :]
     y = acc * tl.sigmoid(acc)
     tl.store(
         out_ptr + b * T * C + t[:, None] * C + c[None, :],
