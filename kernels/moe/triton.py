@@ -78,8 +78,10 @@ __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
 # the most tokens the GEMV kernels serve (a table entry with BLOCK_M = 1 in the buckets up to here): each token's
 # pairs run on their own, so a batch of a few tokens keeps the M = 1 kernels' many narrow programs; tune_moe.py times
-# them against the tiled decode kernels at M = 2 and 4
-GEMV_MAX_M = 4
+# them against the tiled decode kernels at every M up to here (H200, 35B, M = 2: bf16 36.6 us against the tiles'
+# 59.8, fp8 22.5 against 80.3; results/probe_moe_batch_path.json). Past 16 tokens the pairs of one expert, which
+# the GEMV kernels stream once each, are too many.
+GEMV_MAX_M = 16
 # dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
 # results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
 # kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the

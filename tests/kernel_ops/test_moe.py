@@ -272,7 +272,8 @@ def test_get_config_takes_a_gemv_entry_up_to_gemv_max_m(monkeypatch):
     (tune_moe picks it there when it beats the tiles), a tiled entry never serves M = 1, and M = 1 without an entry
     runs the default GEMV."""
     gemv, tiled = {**GEMV_SMALL}, {**SMALL}
-    table = {moe.shape_key(8, 32, 16, torch.float32): {"1": tiled, "2": tiled, "4": gemv, "8": gemv}}
+    past = moe.m_bucket(moe.GEMV_MAX_M + 1)  # the first bucket a GEMV entry must not serve
+    table = {moe.shape_key(8, 32, 16, torch.float32): {"1": tiled, "2": tiled, "4": gemv, str(past): gemv}}
     monkeypatch.setattr(moe, "CONFIG_TABLE", table)
     moe.get_config.cache_clear()
     try:
@@ -280,7 +281,7 @@ def test_get_config_takes_a_gemv_entry_up_to_gemv_max_m(monkeypatch):
         assert moe.get_config(4, 8, 32, 16, torch.float32) is gemv
         assert moe.get_config(2, 8, 32, 16, torch.float32) is tiled
         assert moe.get_config(1, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["gemv"]
-        assert moe.get_config(8, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["decode"]
+        assert moe.get_config(past, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["decode"]
     finally:
         moe.get_config.cache_clear()
 
