@@ -39,9 +39,9 @@ from kernels.tuned import gpu_config_path  # noqa: E402
 # tuned M -> the M buckets its config is stored for, most important first (the budget may cut the tail). Decode
 # kernels compile per M bucket (the pair and token blocks are powers of two >= M K and M).
 # M = 1 runs the GEMV kernels (BLOCK_M = 1), so its config serves only bucket 1.
-# M = 2 .. 16 each apart: up to GEMV_MAX_M the GEMV kernels race the tiles (the tile that M = 8 picks left the GPU
+# M = 2 .. 64 each apart: the GEMV kernels race the tiles at each (the tile that M = 8 picks left the GPU
 # idle at M = 2: 35B 65 us against the grouped path's 53, results/probe_moe_batch_path.json at eebd04f)
-TUNE_DECODE = {1: (1,), 2: (2,), 4: (4,), 8: (8,), 16: (16,), 64: (32, 64)}
+TUNE_DECODE = {1: (1,), 2: (2,), 4: (4,), 8: (8,), 16: (16,), 32: (32,), 64: (64,)}
 TUNE_PREFILL = {8192: (8192, 16384), 4096: (4096,), 2048: (2048,), 512: (128, 256, 512, 1024)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 DECODE_UP = [(16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (32, 256, 8, 3)]
@@ -101,8 +101,8 @@ def tune_m(M, s, weights, device, dtype, scales=(None, None, None)):
             print(f"  skip {config}: {type(err).__name__}", flush=True)
             return float("inf")
 
-    # the kinds of kernels that can serve M: up to GEMV_MAX_M tokens the GEMV kernels race the tiled ones
-    kinds = ["gemv"] if M == 1 else (["gemv"] if M <= tri.GEMV_MAX_M else []) + ["decode"] if decode else ["prefill"]
+    # the kinds of kernels that can serve M: at decode sizes the GEMV kernels race the tiled ones
+    kinds = ["gemv"] if M == 1 else ["gemv", "decode"] if decode else ["prefill"]
     best = []
     for kind in kinds:
         default = tri.DEFAULT_CONFIGS[{"gemv": "gemv_fp8", "prefill": "prefill_fp8"}.get(kind, kind) if fp8 else kind]

@@ -7,7 +7,7 @@ this call, so each selected expert's weight tile is streamed once.
 
 Decode (M <= decode_max_m: 16 tokens for dense experts, 64 for fp8 ones): two launches, no host sync, no float
 atomics.
-  M = 1 (and up to GEMV_MAX_M tokens where the table says so): GEMV-style kernels (BLOCK_M == 1 in the config):
+  M = 1 (and any M where the table says so): GEMV-style kernels (BLOCK_M == 1 in the config):
         up program (N tile, pair t * K + k) ranks token t's logits and streams its k-th expert's gate and up rows;
         down program (N tile, t) loops over token t's K experts and the shared expert in fixed order, summing in
         registers (no partials, counters or atomics).
@@ -76,12 +76,10 @@ from kernels.tuned import load_table
 __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 
 DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
-# the most tokens the GEMV kernels serve (a table entry with BLOCK_M = 1 in the buckets up to here): each token's
-# pairs run on their own, so a batch of a few tokens keeps the M = 1 kernels' many narrow programs; tune_moe.py times
-# them against the tiled decode kernels at every M up to here (H200, 35B, M = 2: bf16 36.6 us against the tiles'
-# 59.8, fp8 22.5 against 80.3; results/probe_moe_batch_path.json). Past 16 tokens the pairs of one expert, which
-# the GEMV kernels stream once each, are too many.
-GEMV_MAX_M = 16
+# A decode bucket's table entry is a GEMV (BLOCK_M = 1) or a tile: tune_moe.py races the two at every tuned M. The
+# GEMV kernels run each token's pairs on their own, so a few tokens keep the M = 1 kernels' many narrow programs
+# (H200, 35B, M = 2: bf16 36.6 us against the tiles' 59.8, fp8 22.5 against 80.3; fp8 M = 16 126.8 against 200.5);
+# the tiles stream an expert once for all its pairs, which wins as M grows (bf16 M = 16: 175.8 against 209.5).
 # dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
 # results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
 # kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the
@@ -150,8 +148,8 @@ def decode_max_m(dtype: torch.dtype) -> int:
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
-    if tuned and (tuned["BLOCK_M"] > 1 or M <= GEMV_MAX_M) and (tuned["BLOCK_M"] == 1 or M > 1):
-        return tuned  # a GEMV entry serves up to GEMV_MAX_M tokens; M = 1 always runs a GEMV
+    if tuned and (tuned["BLOCK_M"] > 1 or M <= DECODE_MAX_M) and (tuned["BLOCK_M"] == 1 or M > 1):
+        return tuned  # a GEMV entry serves decode buckets only; M = 1 always runs a GEMV
     fp8 = dtype == FP8
     if M > DECODE_MAX_M:
         return DEFAULT_CONFIGS["prefill_fp8" if fp8 else "prefill"]
@@ -686,9 +684,9 @@ def moe_block_decode(
     scales = w13_scale, w2_scale, shared_down_scale
     experts_fp8, shared_fp8 = check_scales(config, w13, w2, shared_down_proj, *scales)
     if config["BLOCK_M"] == 1:
-        if M > GEMV_MAX_M:
+        if M > DECODE_MAX_M:
             raise ValueError(
-                f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M <= {GEMV_MAX_M} tokens, got M = {M}"
+                f"moe_block_decode: a GEMV config (BLOCK_M = 1) serves M <= {DECODE_MAX_M} tokens, got M = {M}"
             )
         flags = experts_fp8, shared_fp8
         return moe_block_gemv(x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, *flags, first)
@@ -931,7 +929,7 @@ def _moe_down_gemv_kernel(
 def moe_block_gemv(
     x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8, first=None
 ) -> torch.Tensor:  # fmt: skip
-    """The block for M <= GEMV_MAX_M tokens in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode
+    """The block for M <= DECODE_MAX_M tokens in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode
     has checked
     the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first + El - 1
     of the E = proj's router columns (None: all of them)."""

@@ -149,7 +149,7 @@ def test_moe_block_decode(M, H, E, I, Is, K, router, reason, dtype):
     assert rel_err(out, block_reference(args, K)) < TOL[dtype], reason
 
 
-# The GEMV path (M <= GEMV_MAX_M) with tiles below H and I, so its K loops and N tiles both run.
+# The GEMV path (a config with BLOCK_M = 1) with tiles below H and I, so its K loops and N tiles both run.
 GEMV_SMALL = {
     "BLOCK_M": 1,
     "up": {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
@@ -217,7 +217,7 @@ def test_moe_block_expert_parallel(M, ep, router, reason):
         x, proj, w13, w2, shared_down = share_args
         ref = naive.ep_moe_block(x.double(), proj.double(), w13.double(), w2.double(), shared_down.double(), K, first)
         if M <= moe.DECODE_MAX_M:  # small tiles and poisoned scratch: ids, weights and partials of every pair set
-            config = GEMV_SMALL if M <= moe.GEMV_MAX_M else SMALL
+            config = GEMV_SMALL if M <= moe.DECODE_MAX_M else SMALL
             scratch = decode_poisoned(args[0], I, K, config)
             small = moe.moe_block_decode(*share_args, K, config=config, scratch=scratch, first=first)
             assert rel_err(small, ref) < TOL[torch.float32], (reason, rank)
@@ -262,17 +262,17 @@ def test_get_config_is_cached():
 
 
 def test_moe_block_gemv_config_serves_few_tokens():
-    args = block_args(moe.GEMV_MAX_M + 1, 32, 8, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match=f"serves M <= {moe.GEMV_MAX_M} tokens"):
+    args = block_args(moe.DECODE_MAX_M + 1, 32, 8, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=f"serves M <= {moe.DECODE_MAX_M} tokens"):
         moe.moe_block_decode(*args, 2, config=GEMV_SMALL)
 
 
-def test_get_config_takes_a_gemv_entry_up_to_gemv_max_m(monkeypatch):
-    """A table entry's kind decides the kernels: a GEMV entry (BLOCK_M = 1) serves its bucket's M up to GEMV_MAX_M
-    (tune_moe picks it there when it beats the tiles), a tiled entry never serves M = 1, and M = 1 without an entry
-    runs the default GEMV."""
+def test_get_config_takes_a_gemv_entry_in_decode_buckets(monkeypatch):
+    """A table entry's kind decides the kernels: a GEMV entry (BLOCK_M = 1) serves its decode bucket's M (tune_moe
+    picks it there when it beats the tiles) and no prefill bucket, a tiled entry never serves M = 1, and M = 1
+    without an entry runs the default GEMV."""
     gemv, tiled = {**GEMV_SMALL}, {**SMALL}
-    past = moe.m_bucket(moe.GEMV_MAX_M + 1)  # the first bucket a GEMV entry must not serve
+    past = moe.m_bucket(moe.DECODE_MAX_M + 1)  # the first prefill bucket: a GEMV entry must not serve it
     table = {moe.shape_key(8, 32, 16, torch.float32): {"1": tiled, "2": tiled, "4": gemv, str(past): gemv}}
     monkeypatch.setattr(moe, "CONFIG_TABLE", table)
     moe.get_config.cache_clear()
@@ -281,7 +281,7 @@ def test_get_config_takes_a_gemv_entry_up_to_gemv_max_m(monkeypatch):
         assert moe.get_config(4, 8, 32, 16, torch.float32) is gemv
         assert moe.get_config(2, 8, 32, 16, torch.float32) is tiled
         assert moe.get_config(1, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["gemv"]
-        assert moe.get_config(past, 8, 32, 16, torch.float32) == moe.DEFAULT_CONFIGS["decode"]
+        assert moe.get_config(past, 8, 32, 16, torch.float32)["BLOCK_M"] > 1
     finally:
         moe.get_config.cache_clear()
 
