@@ -78,8 +78,9 @@ __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
 # A decode bucket's table entry is a GEMV (BLOCK_M = 1) or a tile: tune_moe.py races the two at every tuned M. The
 # GEMV kernels run each token's pairs on their own, so a few tokens keep the M = 1 kernels' many narrow programs
-# (H200, 35B, M = 2: bf16 36.6 us against the tiles' 59.8, fp8 22.5 against 80.3; fp8 M = 16 126.8 against 200.5);
-# the tiles stream an expert once for all its pairs, which wins as M grows (bf16 M = 16: 175.8 against 209.5).
+# (H200, 35B, M = 2: bf16 37.0 us against the tiles' 60.2, fp8 22.5 against 80.3; fp8 M = 16 126.8 against 200.5);
+# the tiles stream an expert once for all its pairs, which wins as M grows (bf16 M = 16: 175.8 against 209.5;
+# results/tune_moe_gemv_race.txt).
 # dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
 # results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
 # kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the
