@@ -1,0 +1,118 @@
+"""Where the runner's time to first token goes beyond the model's prefill kernels (35B-A3B, one 4096-token prompt,
+the default runtime: cuda_native, copy_elided, Triton ops): the runner's `start` (prefill + first sample + the
+token's read-back) timed against the model's own forward over the same prompt, then one `start` under the profiler:
+GPU busy time (the union of kernel spans), the idle gaps between kernels, the longest gaps with the CPU op that
+launched the kernel after each, and when the host returned from enqueueing relative to the GPU's end (host-bound
+when the host finishes last).
+
+    PYTHONPATH=. python experiments/profile_prefill_runner.py [--tokens 4096] [--out PATH]
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import config  # noqa: E402
+from benchlib import write_json  # noqa: E402
+
+from qmoe.app import MODELS, prepare, runner_for  # noqa: E402
+from qmoe.runtime.generate import generate  # noqa: E402
+from qmoe.runtime.ledger import TransferLedger  # noqa: E402
+from qmoe.settings import validate  # noqa: E402
+
+
+def timed_ms(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def gaps_of(trace: dict) -> dict:
+    """GPU busy time, idle gaps and the ops after the longest gaps, from a Chrome trace."""
+    events = trace["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    busy, end, gaps = 0.0, kernels[0]["ts"], []
+    for k in kernels:
+        if k["ts"] > end:
+            launch = runtime.get(k["args"].get("correlation"))
+            # the innermost CPU op around the launch of the kernel that ended the gap
+            around = [o for o in cpu_ops if launch and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+            op = min(around, key=lambda o: o["dur"])["name"] if around else "?"
+            gaps.append((k["ts"] - end, k["name"][:60], op))
+        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
+        end = max(end, k["ts"] + k["dur"])
+    host_end = max(e["ts"] + e.get("dur", 0) for e in runtime.values())
+    gaps.sort(reverse=True)
+    return {
+        "kernels": len(kernels),
+        "gpu_span_ms": (end - kernels[0]["ts"]) / 1e3,
+        "gpu_busy_ms": busy / 1e3,
+        "idle_ms": sum(g for g, _, _ in gaps) / 1e3,
+        "gaps_over_10us": sum(g > 10 for g, _, _ in gaps),
+        "idle_in_gaps_over_10us_ms": sum(g for g, _, _ in gaps if g > 10) / 1e3,
+        "longest_gaps": [{"us": g, "next_kernel": k, "launched_in": op} for g, k, op in gaps[:15]],
+        "host_last_launch_minus_gpu_end_ms": (host_end - end) / 1e3,
+    }
+
+
+@torch.no_grad()
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--out", default="results/profile_prefill_runner.json")
+    args = parser.parse_args()
+    t0 = time.time()
+    cfg = config("model=qwen35_moe", f"prompt.length={args.tokens}", "generation.max_new_tokens=2")
+    s = validate(cfg)
+    loaded = MODELS.get(cfg, s, False)
+    model = loaded.model
+    prepare(model, s)
+    runner = runner_for(s, cfg, loaded, TransferLedger())
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    generate(runner, prompt.tolist(), 2)  # compiles, allocates, captures the decode graph
+    start_ms = timed_ms(lambda: runner.start(prompt), 5)
+
+    ids = prompt.to(model.device)
+    pos = torch.zeros(1, dtype=torch.int64, device=model.device)
+    forward_ms = timed_ms(lambda: model(ids, pos), 5)  # the model alone (its caches: the runner's, rewritten)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.start(prompt)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        gaps = gaps_of(json.loads(path.read_text()))
+    summary = {
+        "tokens": args.tokens,
+        "runner_start_ms": start_ms,
+        "model_forward_ms": forward_ms,
+        "runner_start_ms_median": sorted(start_ms)[2],
+        "model_forward_ms_median": sorted(forward_ms)[2],
+        "profiled_start": gaps,
+    }
+    write_json(args.out, "profile_prefill_runner", "cuda", **summary, seconds=time.time() - t0)
+    print(json.dumps({k: v for k, v in summary.items() if k != "profiled_start"}, indent=1))
+    print(json.dumps({k: v for k, v in gaps.items() if k != "longest_gaps"}, indent=1))
+    for g in gaps["longest_gaps"]:
+        print(f"{g['us']:9.1f} us before {g['next_kernel']:<60} launched in {g['launched_in']}")
+
+
+if __name__ == "__main__":
+    main()
