@@ -48,23 +48,26 @@ def gaps_of(trace: dict) -> dict:
     busy, end, gaps = 0.0, kernels[0]["ts"], []
     for k in kernels:
         if k["ts"] > end:
-            launch = runtime.get(k["args"].get("correlation"))
-            # the innermost CPU op around the launch of the kernel that ended the gap
-            around = [o for o in cpu_ops if launch and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
-            op = min(around, key=lambda o: o["dur"])["name"] if around else "?"
-            gaps.append((k["ts"] - end, k["name"][:60], op))
+            gaps.append((k["ts"] - end, k))
         busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
         end = max(end, k["ts"] + k["dur"])
     host_end = max(e["ts"] + e.get("dur", 0) for e in runtime.values())
-    gaps.sort(reverse=True)
+    gaps.sort(key=lambda g: -g[0])
+
+    def launched_in(k) -> str:  # the innermost CPU op around the launch of kernel k
+        launch = runtime.get(k["args"].get("correlation"))
+        around = [o for o in cpu_ops if launch and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        return min(around, key=lambda o: o["dur"])["name"] if around else "?"
+
+    longest = [(g, k["name"][:60], launched_in(k)) for g, k in gaps[:15]]
     return {
         "kernels": len(kernels),
         "gpu_span_ms": (end - kernels[0]["ts"]) / 1e3,
         "gpu_busy_ms": busy / 1e3,
-        "idle_ms": sum(g for g, _, _ in gaps) / 1e3,
-        "gaps_over_10us": sum(g > 10 for g, _, _ in gaps),
-        "idle_in_gaps_over_10us_ms": sum(g for g, _, _ in gaps if g > 10) / 1e3,
-        "longest_gaps": [{"us": g, "next_kernel": k, "launched_in": op} for g, k, op in gaps[:15]],
+        "idle_ms": sum(g for g, _ in gaps) / 1e3,
+        "gaps_over_10us": sum(g > 10 for g, _ in gaps),
+        "idle_in_gaps_over_10us_ms": sum(g for g, _ in gaps if g > 10) / 1e3,
+        "longest_gaps": [{"us": g, "next_kernel": k, "launched_in": op} for g, k, op in longest],
         "host_last_launch_minus_gpu_end_ms": (host_end - end) / 1e3,
     }
 
@@ -89,6 +92,8 @@ def main():
     ids = prompt.to(model.device)
     pos = torch.zeros(1, dtype=torch.int64, device=model.device)
     forward_ms = timed_ms(lambda: model(ids, pos), 5)  # the model alone (its caches: the runner's, rewritten)
+    print(f"runner start {sorted(start_ms)[2]:.2f} ms, model forward {sorted(forward_ms)[2]:.2f} ms (medians of 5)",
+          flush=True)  # fmt: skip
 
     from torch.profiler import ProfilerActivity, profile
 
