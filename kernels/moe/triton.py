@@ -76,11 +76,6 @@ from kernels.tuned import load_table
 __all__ = ["route", "fused_moe", "moe_block", "moe_block_ep"]
 
 DECODE_MAX_M = 64  # the most tokens the decode kernels serve (fp8 experts take them up to here)
-# A decode bucket's table entry is a GEMV (BLOCK_M = 1) or a tile: tune_moe.py races the two at every tuned M. The
-# GEMV kernels run each token's pairs on their own, so a few tokens keep the M = 1 kernels' many narrow programs
-# (H200, 35B, M = 2: bf16 37.0 us against the tiles' 60.2, fp8 22.5 against 80.3; fp8 M = 16 126.8 against 200.5);
-# the tiles stream an expert once for all its pairs, which wins as M grows (bf16 M = 16: 175.8 against 209.5;
-# results/tune_moe_gemv_race.txt).
 # dense experts take the grouped path above 16 tokens, where it is faster on the H200 (probe_moe_batch_path.py,
 # results/probe_moe_batch_path.json, bf16: M = 32 / 64 6 % / 23 % faster at 35B, 4 % / 11 % at 122B; the decode
 # kernels 11 % / 3 % faster at M = 8 / 16). fp8 experts keep the decode kernels: their grouped path quantizes the
@@ -148,9 +143,14 @@ def decode_max_m(dtype: torch.dtype) -> int:
 @functools.cache  # per-call host time: the lookup formats a key; the table is fixed at import
 def get_config(M: int, E: int, H: int, I: int, dtype: torch.dtype) -> dict:
     """dtype: the experts' (float8_e4m3fn keys the FP8 entries and defaults)."""
+    # A decode bucket's entry is a GEMV (BLOCK_M = 1) or a tile: tune_moe.py races the two at every tuned M. The
+    # GEMV kernels run each token's pairs on their own, so a few tokens keep the M = 1 kernels' many narrow programs
+    # (H200, 35B, M = 2: bf16 37.0 us against the tiles' 60.2, fp8 22.5 against 80.3; fp8 M = 16 126.8 against
+    # 200.5); the tiles stream an expert once for all its pairs, which wins as M grows (bf16 M = 16: 175.8 against
+    # 209.5; results/tune_moe_gemv_race.txt). A GEMV entry serves decode buckets only; M = 1 always runs a GEMV.
     tuned = CONFIG_TABLE.get(shape_key(E, H, I, dtype), {}).get(str(m_bucket(M)))
-    if tuned and (tuned["BLOCK_M"] > 1 or M <= DECODE_MAX_M) and (tuned["BLOCK_M"] == 1 or M > 1):
-        return tuned  # a GEMV entry serves decode buckets only; M = 1 always runs a GEMV
+    if tuned and (M <= DECODE_MAX_M if tuned["BLOCK_M"] == 1 else M > 1):
+        return tuned
     fp8 = dtype == FP8
     if M > DECODE_MAX_M:
         return DEFAULT_CONFIGS["prefill_fp8" if fp8 else "prefill"]
@@ -837,7 +837,8 @@ def _moe_up_gemv_kernel(
     EXPERTS_FP8: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, pair t * K + k) -> h[pair, offs_n] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), e token t's
-    k-th expert (each token's pairs on their own: two tokens of one expert stream it twice, the second from L2).
+    k-th expert (each token's pairs on their own: two tokens of one expert stream it twice, the second from L2
+    only while it is still there: 122B same-8 routing at M = 4 reads HBM, results/bench_moe_batch.json).
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
     reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
     loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert parallel): w13
@@ -931,9 +932,8 @@ def moe_block_gemv(
     x, proj, w13, w2, shared_down_proj, top_k, config, scratch, scales, experts_fp8, shared_fp8, first=None
 ) -> torch.Tensor:  # fmt: skip
     """The block for M <= DECODE_MAX_M tokens in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode
-    has checked
-    the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first + El - 1
-    of the E = proj's router columns (None: all of them)."""
+    has checked the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first
+    + El - 1 of the E = proj's router columns (None: all of them)."""
     M, H = x.shape
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
