@@ -196,19 +196,20 @@ def rank_share(args, ep, rank):
     return (x, proj_r, w13p[first : first + El], w2p[first : first + El], shared_down[:, cols].contiguous()), first
 
 
-# (M, ep, router, reason): each rank's share against the reference's, and the shares' sum against the whole block
+# (M, ep, router, small config, reason): each rank's share against the reference's, and the shares' sum against
+# the whole block; the small config (M <= 64) runs the decode path named in the reason on poisoned scratch
 EP_CASES = [
-    (1, 2, None, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
-    (1, 4, None, "one token, 4 ranks: most of a token's experts are elsewhere"),
-    (3, 2, None, "3 tokens on the GEMV kernels: each token's experts of the other rank masked apart"),
-    (5, 2, None, "M <= 64: the decode kernels, the other rank's pairs marked by the grid's extra column"),
-    (20, 2, same_experts([0, 1, 2]), "every token on rank 0's experts: rank 1 computes nothing but zeros"),
-    (70, 4, None, "prefill-sized M on 4 ranks: the aligned path, the other ranks' pairs grouped and skipped"),
+    (1, 2, None, GEMV_SMALL, "one token: the GEMV kernels, the other rank's expert programs load and store nothing"),
+    (1, 4, None, GEMV_SMALL, "one token, 4 ranks: most of a token's experts are elsewhere"),
+    (3, 2, None, GEMV_SMALL, "3 tokens on the GEMV kernels: each token's experts of the other rank masked apart"),
+    (5, 2, None, SMALL, "M <= 64: the tiled decode kernels, the other rank's pairs marked by the grid's extra column"),
+    (20, 2, same_experts([0, 1, 2]), SMALL, "every token on rank 0's experts: rank 1 computes nothing but zeros"),
+    (70, 4, None, None, "prefill-sized M on 4 ranks: the aligned path, the other ranks' pairs grouped and skipped"),
 ]
 
 
-@pytest.mark.parametrize("M,ep,router,reason", EP_CASES, ids=[c[-1].split(":")[0] for c in EP_CASES])
-def test_moe_block_expert_parallel(M, ep, router, reason):
+@pytest.mark.parametrize("M,ep,router,config,reason", EP_CASES, ids=[c[-1].split(":")[0] for c in EP_CASES])
+def test_moe_block_expert_parallel(M, ep, router, config, reason):
     H, E, I, Is, K = 47, 12, 23, 16, 3
     args = block_args(M, H, E, I, Is, torch.float32, seed=M, router=router)
     total = torch.zeros(M, H, dtype=torch.float64)
@@ -216,8 +217,7 @@ def test_moe_block_expert_parallel(M, ep, router, reason):
         share_args, first = rank_share(args, ep, rank)
         x, proj, w13, w2, shared_down = share_args
         ref = naive.ep_moe_block(x.double(), proj.double(), w13.double(), w2.double(), shared_down.double(), K, first)
-        if M <= moe.DECODE_MAX_M:  # small tiles and poisoned scratch: ids, weights and partials of every pair set
-            config = GEMV_SMALL if M <= moe.DECODE_MAX_M else SMALL
+        if config is not None:  # small tiles and poisoned scratch: ids, weights and partials of every pair set
             scratch = decode_poisoned(args[0], I, K, config)
             small = moe.moe_block_decode(*share_args, K, config=config, scratch=scratch, first=first)
             assert rel_err(small, ref) < TOL[torch.float32], (reason, rank)
