@@ -43,6 +43,26 @@ def time_calls(fn, n: int, device: str, reps: int = 10) -> tuple[float, str]:
     return event_median_us(run, reps) / n, method
 
 
+HOST_CALLS = 2000  # calls per host-timing loop
+
+
+def host_us_per_call(fn, n: int = HOST_CALLS, repeats: int = 1) -> float:
+    """Wall-clock µs per call of fn() over loops of n calls after a warm-up, the median of `repeats` loops: the
+    host's time when the host is the bound (eager op calls). With CUDA, each loop ends in a synchronize."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6 / n)
+    return statistics.median(times)
+
+
 def event_median_us(run, reps: int) -> float:
     """Median µs of run() between CUDA events (after one warm-up call)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -2,8 +2,8 @@
 calls it, then its pieces -- the wrapper's Python before the launch, the PDL switch, one output allocation, the
 Triton launch of the already-compiled kernel through `kernel[grid](...)`, and the compiled kernel's own launcher.
 `kernel[grid](...)` is kernels/launch.py's fast path when enabled; Triton's own launch is timed beside it.
-Host-bound loops of N calls, wall clock per call after a warm-up (the GPU work is a few µs per call, so the
-host is the bound); each piece alone, so the sum need not equal the whole.
+Host-bound loops of 2,000 calls (benchlib.host_us_per_call), wall clock per call after a warm-up (the GPU work is
+a few µs per call, so the host is the bound); each piece alone, so the sum need not equal the whole.
 
     PYTHONPATH=. python experiments/host_overhead.py [--out results/host_overhead.json]
 """
@@ -12,24 +12,12 @@ import argparse
 import time
 
 import torch
-from benchlib import write_json
+from benchlib import HOST_CALLS, write_json
+from benchlib import host_us_per_call as per_call_us
 
 from kernels.linear import triton as linear_triton
 from kernels.moe import triton as moe_triton
 from kernels.pdl import pdl
-
-N = 2000
-
-
-def per_call_us(fn, n: int = N) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / n
 
 
 def main():
@@ -80,7 +68,7 @@ def main():
     proj = torch.randn(1, E + 2 * IS + 1, device=dev, dtype=dt)
     rows["moe_block (the op, eager)"] = per_call_us(lambda: moe_triton.moe_block(x, proj, w13, w2, sd, 8))
     rows["torch.add (one aten op, reference)"] = per_call_us(lambda: torch.add(x, x))
-    write_json(args.out, "host_overhead", "cuda", us_per_call=rows, calls=N, seconds=time.time() - t0)
+    write_json(args.out, "host_overhead", "cuda", us_per_call=rows, calls=HOST_CALLS, seconds=time.time() - t0)
     for name, us in rows.items():
         print(f"{name:<40} {us:8.1f} us")
 

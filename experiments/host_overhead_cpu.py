@@ -3,7 +3,7 @@ the op wrappers' Python and kernels/launch.py's fast path up to the compiled ker
 H200 host it adds ~9 µs per launch, results/host_overhead.json). Tensors are on the CPU (pdl() is off there, and
 CPU allocations cost about what the caching allocator's do); the H200 launch tables pick the configs.
 
-  ops    µs per call (median of 5 loops of N calls) at 35B-A3B decode shapes, M = 1, bf16: linear (out_proj),
+  ops    µs per call (median of 5 loops of 2,000 calls) at 35B-A3B decode shapes, M = 1, bf16: linear (out_proj),
          add_rms_norm_linear (a DeltaNet in_proj with its input norm), moe_block (two launches).
   model  Python function calls and wall µs per eager decode step of the reference runner (kernels=triton) on a
          40-layer model of the tiny model's widths (the 35B's layer pattern): a cProfile's call count, then the
@@ -21,12 +21,12 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from benchlib import host_us_per_call
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -34,7 +34,6 @@ from kernels.launch import FastLaunch
 from kernels.linear import triton as linear_triton
 from kernels.moe import triton as moe_triton
 
-N = 2000
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,18 +54,6 @@ def stub_gpu() -> None:
     moe_triton.get_config.cache_clear()
 
 
-def per_call_us(fn, n: int = N, repeats: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - start) * 1e6 / n)
-    return statistics.median(times)
-
-
 def ops_section() -> dict:
     dt = torch.bfloat16
     h, w = torch.randn(1, 4096, dtype=dt), torch.randn(2048, 4096, dtype=dt)  # out_proj: N = 2048, K = 4096
@@ -82,7 +69,7 @@ def ops_section() -> dict:
         "add_rms_norm_linear": lambda: linear_triton.add_rms_norm_linear(x, residual, norm_weight, 1e-6, in_proj),
         "moe_block": lambda: moe_triton.moe_block(rows_x, proj, w13, w2, shared_down, 8),
     }
-    return {name: per_call_us(fn) for name, fn in rows.items()}
+    return {name: host_us_per_call(fn, repeats=5) for name, fn in rows.items()}
 
 
 def model_section(steps: int) -> dict:
