@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import config  # noqa: E402
+from bench_e2e import FAST, config  # noqa: E402
 from benchlib import write_json  # noqa: E402
 
 from qmoe.app import MODELS, prepare, runner_for  # noqa: E402
@@ -79,7 +79,7 @@ def main():
     parser.add_argument("--out", default="results/profile_prefill_runner.json")
     args = parser.parse_args()
     t0 = time.time()
-    cfg = config("model=qwen35_moe", f"prompt.length={args.tokens}", "generation.max_new_tokens=2")
+    cfg = config("model=qwen35_moe", *FAST, f"prompt.length={args.tokens}", "generation.max_new_tokens=2")
     s = validate(cfg)
     loaded = MODELS.get(cfg, s, False)
     model = loaded.model
