@@ -3,12 +3,15 @@ the default runtime: cuda_native, copy_elided, Triton ops): the runner's `start`
 token's read-back) timed against the model's own forward over the same prompt, then one `start` under the profiler:
 GPU busy time (the union of kernel spans), the idle gaps between kernels, the longest gaps with the CPU op that
 launched the kernel after each, and when the host returned from enqueueing relative to the GPU's end (host-bound
-when the host finishes last).
+when the host finishes last). Then the host's side of `start`: when it queued the read-back (its last launch) against
+when the token arrived, and the garbage collections that ran inside each `start` (gc.callbacks), with the
+collector as run.py leaves it and after gc.freeze() (the model's objects moved out of the collector's sight).
 
     PYTHONPATH=. python experiments/profile_prefill_runner.py [--tokens 4096] [--out PATH]
 """
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -36,6 +39,43 @@ def timed_ms(fn, reps: int) -> list[float]:
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def host_side(runner, prompt, reps: int) -> dict:
+    """Per `start`: wall ms, ms until the read-back was queued (the host's last launch), and ms spent in garbage
+    collections (with their generations) inside it."""
+    collections, t_gc = [], {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            t_gc["t"] = time.perf_counter()
+        else:
+            collections.append((info["generation"], (time.perf_counter() - t_gc["t"]) * 1e3))
+
+    queued = {}
+    read_back_later = runner.read_back_later
+
+    def timed_read_back_later(*a, **k):
+        queued["t"] = time.perf_counter()
+        return read_back_later(*a, **k)
+
+    runner.read_back_later = timed_read_back_later
+    gc.callbacks.append(on_gc)
+    rows = []
+    try:
+        for _ in range(reps):
+            collections.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.start(prompt)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            rows.append({"wall_ms": (t1 - t0) * 1e3, "queued_ms": (queued["t"] - t0) * 1e3,
+                         "gc_ms": sum(ms for _, ms in collections), "gc_generations": [g for g, _ in collections]})  # fmt: skip
+    finally:
+        gc.callbacks.remove(on_gc)
+        del runner.read_back_later
+    return {"rows": rows, "median_wall_ms": sorted(r["wall_ms"] for r in rows)[reps // 2]}
 
 
 def gaps_of(trace: dict) -> dict:
@@ -95,6 +135,15 @@ def main():
     print(f"runner start {sorted(start_ms)[2]:.2f} ms, model forward {sorted(forward_ms)[2]:.2f} ms (medians of 5)",
           flush=True)  # fmt: skip
 
+    host = {"gc_as_run": host_side(runner, prompt, 10)}
+    gc.collect()
+    gc.freeze()
+    host["gc_frozen"] = host_side(runner, prompt, 10)
+    gc.unfreeze()
+    for name, h in host.items():
+        print(f"{name}: start median {h['median_wall_ms']:.2f} ms; per start (wall / queued / gc ms):",
+              " ".join(f"{r['wall_ms']:.1f}/{r['queued_ms']:.1f}/{r['gc_ms']:.1f}" for r in h["rows"]), flush=True)
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -110,10 +159,11 @@ def main():
         "model_forward_ms": forward_ms,
         "runner_start_ms_median": sorted(start_ms)[2],
         "model_forward_ms_median": sorted(forward_ms)[2],
+        "host_side": host,
         "profiled_start": gaps,
     }
     write_json(args.out, "profile_prefill_runner", "cuda", **summary, seconds=time.time() - t0)
-    print(json.dumps({k: v for k, v in summary.items() if k != "profiled_start"}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("profiled_start", "host_side")}, indent=1))
     print(json.dumps({k: v for k, v in gaps.items() if k != "longest_gaps"}, indent=1))
     for g in gaps["longest_gaps"]:
         print(f"{g['us']:9.1f} us before {g['next_kernel']:<60} launched in {g['launched_in']}")

@@ -6,12 +6,13 @@ into a string key, checks the kernel's globals and builds launch metadata on eve
 an eager decode step with ~250 launches pays it (the reference runner with kernels=triton is host-bound).
 
 `@fast_launch` on a `@triton.jit` kernel keeps `kernel[grid](...)` as the call syntax. A call's key is the current
-device, each argument's dtype and pointer alignment (tensors: data_ptr % 16), type (floats) or value (ints, bools,
+device, each argument's dtype, device type and pointer alignment (tensors: data_ptr % 16), type (floats) or value (ints, bools,
 None), and the keyword arguments (constexprs and launch options such as num_warps and launch_pdl). That is finer
 than what Triton specializes on (16-byte alignment, integer divisibility by 16 and == 1, dtypes, constexprs,
 options), so one key always maps to the one kernel Triton would launch. The first call with a key goes through
 Triton (compile or find, launch) and keeps the CompiledKernel it returns; later calls call its launcher directly
-on the current stream. Integer arguments in the key mean one entry per distinct shape, so the table is dropped
+on the current stream, with each tensor passed as its data pointer (an int: the launcher's per-tensor data_ptr()
+call and driver query are skipped). Integer arguments in the key mean one entry per distinct shape, so the table is dropped
 when it passes MAX_KEYS. Launch hooks (knobs.runtime.launch_enter_hook, e.g. proton) and Triton's check that a
 kernel's globals did not change after compilation are skipped on the fast path; QMOE_FAST_LAUNCH=0 (read at
 import) launches everything through Triton. Under the CPU interpreter (TRITON_INTERPRET=1) kernels are returned
@@ -43,9 +44,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _key(args: tuple) -> tuple:
-    key = []
-    for a in args:
+def _key_and_pointers(args: tuple) -> tuple[tuple, list]:
+    """-> (the launch key of args, args with each tensor replaced by its data pointer). The launcher takes a
+    pointer argument as a Python int as it is; given a tensor it calls data_ptr() and asks the driver for the
+    pointer's attributes (cuPointerGetAttribute), once per tensor per launch. The key keeps is_cuda, so a CPU
+    tensor's key is new and goes through Triton, which refuses it."""
+    key, run = [], list(args)
+    for i, a in enumerate(args):
         c = a.__class__
         if c is float:  # Triton passes every float as fp32: the value is not part of the kernel
             key.append(float)
@@ -54,10 +59,12 @@ def _key(args: tuple) -> tuple:
         elif c is bool:  # True == 1 as a dict key, but Triton types a bool i1 and specializes an int 1
             key.append((bool, a))
         elif isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15))
+            pointer = a.data_ptr()
+            key.append((a.dtype, a.is_cuda, pointer & 15))
+            run[i] = pointer
         else:
             key.append(a)
-    return tuple(key)
+    return tuple(key), run
 
 
 def _current_device_and_stream() -> tuple:
@@ -94,7 +101,8 @@ class FastLaunch:
             return self.fn[grid](*args, **kwargs)
         current_device, current_stream = self._driver
         device = current_device()
-        key = (device, _key(args), tuple(kwargs.items()))
+        arg_key, run_args = _key_and_pointers(args)
+        key = (device, arg_key, tuple(kwargs.items()))
         try:
             entry = self.compiled.get(key)
         except TypeError:  # an unhashable argument (a list constexpr): no key, through Triton
@@ -111,7 +119,7 @@ class FastLaunch:
         n = len(grid)
         kernel.run(
             grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device), kernel.function,
-            kernel.packed_metadata, None, None, None, *args, *map(kwargs.__getitem__, tail),
+            kernel.packed_metadata, None, None, None, *run_args, *map(kwargs.__getitem__, tail),
         )  # fmt: skip
         return kernel
 

@@ -33,6 +33,22 @@ def _out_variants() -> dict:
     }
 
 
+def eager_custom_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose custom-op nodes (the Triton ops: torch.library.custom_op, there for the tracer's fakes)
+    call the Python functions they wrap, as the eager model does (kernels.tracing): the dispatcher's round trip
+    costs ~7 us of host time per call on this project's CPU machine (tests/test_export.py), about twice that on the
+    H200 host, which a prefill (~300 op calls) and every step outside a CUDA graph pay."""
+    from torch._library.custom_ops import OPDEFS  # qualified name -> CustomOpDef: the function it was made from
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            opdef = OPDEFS.get(node.target._schema.name)
+            if opdef is not None:
+                node.target = opdef._init_fn
+    return fx.GraphModule(gm, graph)
+
+
 def _cast_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)  # the cast kernel itself writes the planned buffer
 
@@ -120,7 +136,8 @@ class Delegate:
             else:
                 raise ExportError(f"method {method}: unsupported exported output kind {spec.kind.name}")
         # which outputs are written in place needs no record: Method compares each output with its buffer
-        self.graph_module_in_place, _ = outputs_in_place(self.graph_module, self.user_outputs)
+        in_place, _ = outputs_in_place(self.graph_module, self.user_outputs)
+        self.graph_module, self.graph_module_in_place = eager_custom_ops(self.graph_module), eager_custom_ops(in_place)
 
     def __call__(self, *inputs: torch.Tensor, out=()) -> tuple[torch.Tensor, ...]:
         user = iter(inputs)

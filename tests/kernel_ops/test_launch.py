@@ -92,13 +92,29 @@ def test_key_separates_what_triton_specializes_on():
     dtype, another int (divisibility, == 1), a bool for an int, None for 0 are new keys; float values are not
     (Triton passes every float as fp32)."""
     base = torch.zeros(64)
-    key = launch._key
+
+    def key(args):
+        return launch._key_and_pointers(args)[0]
+
     assert key((base[:8],)) == key((base[16:24],))  # both 16-byte aligned (64 bytes apart)
     assert key((base[:8],)) != key((base[1:9],))  # 4 bytes off
     assert key((base[:8],)) != key((base.half()[:8],))  # dtype
     assert key((16,)) != key((17,)) and key((1,)) != key((2,))
     assert key((1,)) != key((True,)) and key((None,)) != key((0,))
     assert key((0.5,)) == key((2.0,)) and key((0.5,)) != key((0,))
+
+
+def test_launcher_gets_tensors_as_their_pointers():
+    """The compiled launcher is handed each tensor as its data pointer (an int: no data_ptr() call and driver query
+    per tensor per launch), every other argument as it is; a tensor's key names its device type, so a CPU tensor
+    never reuses a GPU tensor's entry (its first launch goes through Triton, which refuses it)."""
+    base = torch.zeros(64)
+    view = base[3:11]
+    args = (view, 7, 0.5, None, True, base)
+    key, run = launch._key_and_pointers(args)
+    assert run == [view.data_ptr(), 7, 0.5, None, True, base.data_ptr()]
+    assert all(type(p) is int for p in (run[0], run[5]))
+    assert key[0] == (torch.float32, False, view.data_ptr() & 15)
 
 
 @pytest.mark.gpu
