@@ -1,6 +1,7 @@
 """Where an eager Triton op call's host time goes (35B-A3B decode shapes, M = 1, bf16): the whole op as the model
 calls it, then its pieces -- the wrapper's Python before the launch, the PDL switch, one output allocation, the
-Triton launch of the already-compiled kernel through `kernel[grid](...)`, and the compiled kernel's own launcher.
+Triton launch of the already-compiled kernel through `kernel[grid](...)`, and the compiled kernel's own launcher
+given tensors and given their data pointers (ints, as the fast path passes them).
 `kernel[grid](...)` is kernels/launch.py's fast path when enabled; Triton's own launch is timed beside it.
 Host-bound loops of 2,000 calls (benchlib.host_us_per_call), wall clock per call after a warm-up (the GPU work is
 a few µs per call, so the host is the bound); each piece alone, so the sum need not equal the whole.
@@ -59,6 +60,8 @@ def main():
         ordered = [values[n] for n in names]
         grid3 = (*grid, 1, 1)[:3]  # the compiled launcher reads grid[0], grid[1], grid[2]
         rows["compiled kernel launcher"] = per_call_us(lambda: compiled[grid3](*ordered))
+        pointers = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in ordered]  # as the fast path passes
+        rows["compiled kernel launcher, tensors as pointers"] = per_call_us(lambda: compiled[grid3](*pointers))
     except Exception as e:  # noqa: BLE001 - the launcher's calling convention differs between Triton versions
         print(f"compiled kernel launcher: {type(e).__name__}: {e}")
     E, H, I, IS = 256, 2048, 512, 512
