@@ -50,9 +50,9 @@ GEMV_UP = [(2, 1024, 4, 2), (4, 1024, 4, 2), (8, 512, 4, 2), (16, 256, 4, 3), (8
 GEMV_DOWN = [(1, 512, 4, 2), (2, 512, 4, 2), (4, 512, 4, 2), (2, 256, 4, 3), (4, 256, 4, 3), (8, 256, 8, 2)]
 PREFILL_BLOCK_M = (64, 128)
 PREFILL_UP = [(64, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
-              (256, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 8, 3)]  # fmt: skip
+              (256, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 8, 3), (128, 32, 8, 6), (256, 32, 8, 4)]  # fmt: skip
 PREFILL_DOWN = [(128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3),
-                (256, 64, 8, 4), (256, 32, 8, 4)]  # fmt: skip
+                (256, 64, 8, 4), (256, 32, 8, 4), (128, 64, 8, 3), (256, 32, 8, 5), (128, 32, 8, 6)]  # fmt: skip
 # fp8 experts on the prefill path: FP8 x FP8 on pre-quantized activations, BLOCK_K = 128 always. The up tile holds two
 # accumulators and their two dot results: on sm_90 (aot_sm90.py) 64 x 64 on 8 warps fits (142 registers), 64 x 128 on
 # 8 warps spills 20 B, 128 x 128 1.7 KB; the down tiles do not spill, except 128 x 128 on 8 warps (64 B)
