@@ -70,8 +70,9 @@ def host_side(runner, prompt, reps: int) -> dict:
             runner.start(prompt)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            rows.append({"wall_ms": (t1 - t0) * 1e3, "queued_ms": (queued["t"] - t0) * 1e3,
-                         "gc_ms": sum(ms for _, ms in collections), "gc_generations": [g for g, _ in collections]})  # fmt: skip
+            gc_ms, generations = sum(ms for _, ms in collections), [g for g, _ in collections]
+            rows.append({"wall_ms": (t1 - t0) * 1e3, "queued_ms": (queued["t"] - t0) * 1e3, "gc_ms": gc_ms,
+                         "gc_generations": generations})  # fmt: skip
     finally:
         gc.callbacks.remove(on_gc)
         del runner.read_back_later
@@ -141,8 +142,11 @@ def main():
     host["gc_frozen"] = host_side(runner, prompt, 10)
     gc.unfreeze()
     for name, h in host.items():
-        print(f"{name}: start median {h['median_wall_ms']:.2f} ms; per start (wall / queued / gc ms):",
-              " ".join(f"{r['wall_ms']:.1f}/{r['queued_ms']:.1f}/{r['gc_ms']:.1f}" for r in h["rows"]), flush=True)
+        print(
+            f"{name}: start median {h['median_wall_ms']:.2f} ms; per start (wall / queued / gc ms):",
+            " ".join(f"{r['wall_ms']:.1f}/{r['queued_ms']:.1f}/{r['gc_ms']:.1f}" for r in h["rows"]),
+            flush=True,
+        )
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -119,6 +119,27 @@ def test_reset_caches_zeroes_every_cache_and_nothing_else():
     torch.testing.assert_close(model(tokens, torch.zeros(1, dtype=torch.int64)), fresh, rtol=0, atol=0)
 
 
+def test_fused_projections_are_row_slices_of_a_padded_buffer():
+    """fuse_projections_ seats each FUSED group's weights as consecutive row slices of one buffer (values kept)
+    whose storage is zero-padded to a multiple of 16 bytes of rows: what padded_rows needs for an aligned prefill
+    GEMM (the MoE in-projection: E + 2 Is + 1 rows)."""
+    from kernels.linear.triton import padded_rows
+
+    cfg = ModelConfig.from_dict(TINY)
+    model = build_model(cfg, torch.float32, "cpu", seed=3)
+    moe = model.layers[0].mlp
+    fused = moe.in_proj
+    parts = [moe.gate.weight, moe.shared_expert.gate_proj.weight, moe.shared_expert.up_proj.weight,
+             moe.shared_expert_gate.weight]  # fmt: skip
+    assert fused.shape[0] == cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1
+    assert torch.equal(torch.cat(parts), fused)
+    assert all(p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in parts)
+    n_pad = -(-fused.shape[0] // 4) * 4  # fp32: 4 elements to 16 bytes
+    assert fused.untyped_storage().nbytes() == n_pad * fused.shape[1] * 4
+    padded = padded_rows(fused)
+    assert padded.shape[0] == n_pad and not padded[fused.shape[0] :].any()
+
+
 def test_transformers_bridge_can_share_weights():
     model = build_model(ModelConfig.from_dict(TINY), torch.float32, "cpu", seed=0)
     hf = to_transformers(model, share_weights=True)

@@ -16,7 +16,8 @@ anywhere: the result is a function of the launch config only, bit-reproducible a
 replay and exported programs. The workspace is allocated per call through torch's caching allocator (CUDA
 graphs capture it like any other temporary); nothing persists between calls.
 Above 64 rows it calls F.linear: prefill is a compute-bound GEMM that cuBLAS already runs near the tensor-core
-ceiling, except for an N that is not a multiple of 16 bytes of elements (_prefill_gemm: the dot path's tile instead).
+ceiling, except for an N that is not a multiple of 16 bytes of elements (_prefill_gemm: over the weight's padded rows
+where its storage has them, else the dot path's tile).
 
 FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N, ceil(K / 128)]) run the same
 kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the products of each 128-column scale
@@ -658,15 +659,32 @@ def linear_into(
     return out
 
 
+def padded_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] (rows contiguous) as the first N rows of an [N_pad, K] view, N_pad the next multiple of 16
+    bytes of elements, where its storage holds those rows (qwen35_moe.fuse_rows_ pads the buffers it makes); else
+    None. Rows past N may belong to another tensor of the storage: only their products are computed, never used."""
+    N, K = weight.shape
+    align = 16 // weight.element_size()
+    n_pad = -(-N // align) * align
+    end = (weight.storage_offset() + n_pad * K) * weight.element_size()
+    if weight.stride() != (K, 1) or end > weight.untyped_storage().nbytes():
+        return None
+    return weight.as_strided((n_pad, K), (K, 1))
+
+
 def _prefill_gemm(x, weight, out=None) -> torch.Tensor:
-    """The product above MAX_M rows: F.linear (into `out` when given), or the Triton dot path when N is not a
-    multiple of 16 bytes of elements:
-    cuBLAS then runs an sm75 `align1` kernel at ~77 TFLOP/s (the 35B MoE in-projection, N = 1281: 278 µs at 4096
-    tokens, also into padded rows; the aligned rows and the rest as two products plus a copy 135-251 µs; the
-    Triton tile UNALIGNED_N_CONFIG 73.5 µs: results/gemm_alignment.json)."""
+    """The product above MAX_M rows: F.linear (into `out` when given). When N is not a multiple of 16 bytes of
+    elements cuBLAS runs an sm75 `align1` kernel at ~77 TFLOP/s (the 35B MoE in-projection, N = 1281: 278 µs at
+    4096 tokens, also into padded rows; the aligned rows and the rest as two products plus a copy 135-251 µs;
+    results/gemm_alignment.json), so then: over the weight's padded rows where its storage has them (padded_rows:
+    50.0 µs; the result is the first N columns of the padded product, rows N_pad apart), else with the Triton dot
+    path's tile UNALIGNED_N_CONFIG (73.5 µs)."""
     K, N = x.shape[-1], weight.shape[0]
     if N % (16 // x.element_size()) == 0 or x.numel() == 0 or K == 0:
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+    padded = padded_rows(weight) if out is None else None
+    if padded is not None:
+        return F.linear(x, padded)[..., :N]
     M = x.numel() // K
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device) if out is None else out
     linear_into(x.reshape(M, K), weight, out.view(M, N), config=UNALIGNED_N_CONFIG)

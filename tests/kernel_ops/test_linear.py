@@ -160,6 +160,29 @@ def test_unaligned_n_above_max_m(N, dtype):
     assert lin.linear_out(x, w, given) is given and rel_err(given, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "first", [0, 3], ids=["the storage's padding (fuse_rows_)", "a middle slice: another tensor's rows"]
+)
+def test_unaligned_n_above_max_m_over_padded_rows(first, dtype):
+    """Above MAX_M an unaligned N = 13 whose storage holds the rows up to the next multiple of 16 bytes runs as one
+    GEMM over those rows (padded_rows: cuBLAS's aligned kernels) and returns the first N columns, rows N_pad apart:
+    the rows past N (zero padding, or the next tensor's rows) never reach the result."""
+    (M, K), N = (130, 80), 13
+    n_pad = -(-N // (16 // dtype.itemsize)) * (16 // dtype.itemsize)
+    storage = torch.randn(first + n_pad, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    if first == 0:
+        storage[N:] = 0  # as fuse_rows_ pads
+    w = storage[first : first + N]
+    x = make(M, N, K, dtype)[0]
+    assert lin.padded_rows(w).shape == (n_pad, K)
+    out = lin.linear(x.view(2, 65, K), w)
+    assert out.shape == (2, 65, N) and out.stride(-2) == n_pad and out.dtype == dtype
+    assert rel_err(out.reshape(M, N), naive.linear(x.double(), w.double())) < TOL[dtype]
+    assert lin.padded_rows(storage[first + 1 : first + 1 + N]) is None  # its storage ends before N_pad rows
+    assert lin.padded_rows(torch.randn(N, 2 * K, dtype=dtype)[:, :K]) is None  # rows not contiguous
+
+
 def test_non_contiguous_inputs():
     """x as a column-sliced view (row stride > K), as a K-strided view (copied), as a 3-D view whose rows do not
     collapse to one stride; weight as a row slice of a fused buffer (the model's layout) and as [N, K] with a row
