@@ -84,7 +84,11 @@ def test_fused_fp8_groups_are_views_of_one_buffer():
     assert gdn.in_proj_b.weight_scale.data_ptr() == gdn.in_proj_scale[ODD.conv_dim + 64].data_ptr()  # z: 4 x 16
     assert moe.in_proj.dtype == torch.bfloat16 and moe.in_proj_scale is None
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    assert sum(storages.values()) == weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8"))
+    fused = [b for n, b in model.named_buffers() if n.rpartition(".")[2] in ("in_proj", "qkv_proj")]
+    fused += [b for n, b in model.named_buffers() if n.endswith("proj_scale") and b is not None]
+    padding = [b.untyped_storage().nbytes() - b.nbytes for b in fused]  # rows up to 16 bytes of elements
+    assert all(0 <= pad < 16 * b.shape[1] for pad, b in zip(padding, fused)) and any(padding)
+    assert sum(storages.values()) == weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) + sum(padding)
     assert weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) < 0.7 * weight_nbytes(ODD, torch.bfloat16)
 
 
