@@ -31,7 +31,11 @@ fp8 tiles (fp8 wgmma on sm_90) and scales each step's product by the token's and
 the K loop instead, as before, redid every activation tile N / BLOCK_N times, on CUDA cores that then outweighed
 the wgmma: 424 us per 35B projection at 4096 tokens, issue #16.) Its error is the activations' quantization:
 ~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
-QMOE_FP8_PREFILL=dequantize instead dequantizes the weight per call and runs F.linear in x's dtype.
+That is QMOE_FP8_PREFILL=fp8. The default (dequantize) instead dequantizes the weight per call to x's dtype in
+one Triton pass (kernels/fp8.dequantize_rows) and runs F.linear: on the H200 at 4096 tokens bf16 cuBLAS took
+264.5 / 89.1 / 202.1 / 87.9 us on the 35B gdn_in / out-projections / attention qkv, the FP8 x FP8 tile with its
+pre-pass 344.9 / 140.6 / 252.8 / 139.5 (results/tune_fp8_prefill.json), and the pass costs ~20 us at the largest;
+its numerics are the bf16 model's on the dequantized weights, no activation rounding.
 
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
 QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
@@ -49,7 +53,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
+from kernels.fp8 import FP8, dequantize_rows, k_blocks, quantize_activations
 from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -82,7 +86,7 @@ UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_w
 # time as the step's fp8 wgmma) can run under the other's wgmma; 64 x 256 on 8 warps fits too (210, 124 KB, one per
 # SM); 128 x 128 on 8 warps spills 32 B, 128 x 128 on 4 and 64 x 256 on 4 spill ~600 / ~360 B
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
-FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "fp8")  # "fp8" | "dequantize" (per call, then F.linear)
+FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "dequantize")  # | "fp8" (FP8 x FP8): the module docstring
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -700,7 +704,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
         linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, quantize_x=True)
         return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
-        weight = weight if scale is None else dequantize(weight, scale, x.dtype)  # per call: correct, not fast
+        weight = weight if scale is None else dequantize_rows(weight, scale, x.dtype)  # per call
         return _prefill_gemm(x, weight, out)
     # each reshape / view is a dispatcher call (~2 us of host time, eager): only where the shapes need one
     x2 = x if x.dim() == 2 else x.reshape(M, K)

@@ -45,7 +45,7 @@ The M = 1 GEMVs load BLOCK_K columns per step (a multiple of 128, or a divisor) 
 per 128-column sub-step to that sub-step's summed products, so a step keeps BLOCK_K columns of loads in flight (one
 round trip per 128 columns was 2-2.8x slower in linear's fp8 GEMV); the shared expert's down rows, one
 [BLOCK_N, Is] tile, take a scale per column. fp32 accumulation everywhere. The prefill's shared expert dequantizes
-on the torch path.
+its down projection per call (kernels/fp8.dequantize_rows), then cuBLAS.
 Expert parallel (moe_block_ep): w13 / w2 hold the router's experts first .. first + El - 1; every path above runs
 with an EP constexpr (off: the unsharded code, compiled as before). M = 1: a program whose expert another rank
 holds does nothing, the down kernel masks those lanes; M <= 64: the up grid's extra expert column El marks the
@@ -67,7 +67,7 @@ import triton.language as tl
 
 import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
-from kernels.fp8 import FP8, dequantize, k_blocks, quantize_activations
+from kernels.fp8 import FP8, dequantize_rows, k_blocks, quantize_activations
 from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.moe.naive import router_experts, split_projection
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -1191,7 +1191,9 @@ def moe_block_prefill(
         topk_ids = torch.where((local >= 0) & (local < El), local, El)
     others = first is not None
     routed_partials_into(x, w13, w2, topk_weights, topk_ids, h, partials, None, w13_scale, w2_scale, others)
-    down = shared_down_proj if shared_down_scale is None else dequantize(shared_down_proj, shared_down_scale, x.dtype)
+    down = shared_down_proj
+    if shared_down_scale is not None:
+        down = dequantize_rows(shared_down_proj, shared_down_scale, x.dtype)
     act = torch.empty((M, Is), dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(M, cdiv(Is, COMBINE_BLOCK_H))](
         gate, up, act, Is, gate.stride(0), up.stride(0), BLOCK=COMBINE_BLOCK_H

@@ -8,7 +8,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, _div_rn_rows, quantize_activations, quantize_rows, quantize_tile
+from kernels.fp8 import (
+    FP8,
+    FP8_MAX,
+    _div_rn_rows,
+    dequantize,
+    dequantize_rows,
+    quantize_activations,
+    quantize_rows,
+    quantize_tile,
+)
 from tests.helpers import exact_fp8_interpreter, fp8_interpreter_safe, fp8_interpreter_unsafe
 
 
@@ -285,3 +294,57 @@ def test_quantize_activations_gpu_bit_identical(dtype):
     wide = torch.zeros(4099, 2048 + 200, dtype=dtype, device="cuda")
     wide[:, 64 : 64 + x.shape[1]] = x
     assert_prepass_bit_identical(wide[:, 64 : 64 + x.shape[1]], 32)
+
+
+DEQUANTIZE_CASES = [
+    (1, 128, "one row, one whole block"),
+    (37, 300, "a partial last row tile (16-row programs) and a partial last block (K = 300)"),
+    (16, 100, "K < 128: one partial block"),
+    (70, 640, "whole blocks, 5 row tiles"),
+]
+
+
+def random_fp8(rows: int, cols: int, gen, nan: bool) -> torch.Tensor:
+    """[rows, cols] random e4m3 codes, the first row ending in 0, -0, the smallest subnormal, 448 and (nan) NaN. Without
+    nan its codes become +-448: Triton's CPU interpreter reads them as +-480 (e4m3 without NaN), the GPU as NaN."""
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    codes[0, -5:] = torch.tensor([0x00, 0x80, 0x01, 0x7E, 0x7F], dtype=torch.uint8)
+    if not nan:
+        codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes)
+    return codes.view(FP8)
+
+
+@pytest.mark.parametrize("N,K,reason", DEQUANTIZE_CASES, ids=[c[2] for c in DEQUANTIZE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the interpreter truncates; the GPU test
+def test_dequantize_rows_equals_dequantize(N, K, reason, dtype):
+    """The Triton pass is torch's dequantize bit for bit (fp32 product, one rounding) over the e4m3 codes (random
+    bytes: zeros, subnormals, +-448; NaN in the GPU test) and scales over twelve binades, for a weight that is a row
+    slice of a wider fused buffer (a row stride and an offset)."""
+    gen = torch.Generator().manual_seed(N * K)
+    weight = random_fp8(N + 5, K + 32, gen, nan=False)[:N, 32:]  # from column 32 of wider rows
+    blocks = -(-K // 128)
+    scale = torch.exp2(torch.randint(-10, 2, (N, blocks), generator=gen).float()) * torch.rand(N, blocks, generator=gen)
+    assert (weight.float() == 0).any() and (weight.float().abs() < 2**-6).any()
+    torch.testing.assert_close(dequantize_rows(weight, scale, dtype), dequantize(weight, scale, dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_rows_gpu_bit_identical(dtype):
+    """On the GPU at the 35B DeltaNet in-projection's shape (what a prefill dequantizes per call), NaN codes
+    included, the first rows of a larger buffer: torch's dequantize bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    weight = random_fp8(12352 + 40, 2048, gen, nan=True).cuda()[:12352]
+    scale = torch.rand(12352, 16, generator=gen).cuda()
+    got, want = dequantize_rows(weight, scale, dtype), dequantize(weight, scale, dtype)
+    assert want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_dequantize_rows_refuses_what_it_cannot_read():
+    q, scale = quantize_rows(torch.randn(8, 300))
+    with pytest.raises(ValueError, match=r"dequantize_rows: weight \[N, K\] with contiguous rows"):
+        dequantize_rows(q.t(), scale, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dequantize_rows"):
+        dequantize_rows(q, scale[:, :2], torch.bfloat16)
+    assert dequantize_rows(q[:0], scale[:0], torch.bfloat16).shape == (0, 300)

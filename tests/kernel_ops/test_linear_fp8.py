@@ -57,16 +57,13 @@ def test_fp8_linear_into(M, N, K, cfg, reason, dtype):
     assert rel_err(out, reference(x, q, scale)) < TOL[dtype], reason
 
 
-@pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last skinny", "M65 fp8 x fp8"])
+@pytest.mark.parametrize("M", [1, 5, 64, 65], ids=["M1", "M5", "M64 last skinny", "M65 dequantized"])
 def test_fp8_linear_default_configs_and_reference(M):
     """The public op (default configs: GEMV steps of up to 1024 columns, one scale per 128, dot steps of at most
-    128) and naive.linear, across the hand-over
-    (above 64 rows the activations are quantized too: compared with the same quantization in the reference)."""
+    128; above 64 rows the dequantized weight and F.linear) and naive.linear, across the hand-over."""
     x, q, scale = make(M, 70, 300, torch.float32, seed=M)
-    x = fp8_interpreter_safe(x) if M > lin.MAX_M else x
     ref = reference(x, q, scale)
-    act_ref = quantized_activations(x) @ dequantize(q, scale, torch.float64).T if M > lin.MAX_M else ref
-    assert rel_err(lin.linear(x, q, scale), act_ref) < TOL[torch.float32]
+    assert rel_err(lin.linear(x, q, scale), ref) < TOL[torch.float32]
     assert rel_err(naive.linear(x, q, scale), ref) < TOL[torch.float32]
     assert lin.default_config(M, 70, 300, 8, fp8=True)["BLOCK_K"] <= (1024 if M == 1 else 128)
 
@@ -184,10 +181,12 @@ def test_fp8_persistent_gemv_35b_gpu(N, K, cfg, norm):
     ids=["gdn_in", "attn_qkv", "moe_in", "gdn_out", "shared_down", "N and K tails"],
 )  # fmt: skip
 @pytest.mark.parametrize("M", [4096, 1000])
-def test_fp8_prefill_gpu_35b(N, K, M):
-    """The FP8 x FP8 prefill compiled for the GPU (the activation pre-pass, then fp8 wgmma) at the 35B projection
-    shapes, bf16: against fp32 on the activations quantized by quantize_rows (the pre-pass is bit-identical to it,
-    so only accumulation order and bf16 output rounding differ); bit-reproducible; two launches."""
+def test_fp8_prefill_gpu_35b(N, K, M, monkeypatch):
+    """The FP8 x FP8 prefill (QMOE_FP8_PREFILL=fp8) compiled for the GPU (the activation pre-pass, then fp8 wgmma) at
+    the 35B projection shapes, bf16: against fp32 on the activations quantized by quantize_rows (the pre-pass is
+    bit-identical to it, so only accumulation order and bf16 output rounding differ); bit-reproducible; two
+    launches. Then the default: the dequantize pass and cuBLAS, against fp32 on the unquantized activations."""
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     gen = torch.Generator(device="cuda").manual_seed(N + K + M)
     x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
     x[7] *= 100
@@ -198,6 +197,10 @@ def test_fp8_prefill_gpu_35b(N, K, M):
     assert rel_err(out, x.float() @ dequantize(q, scale).T) < ACT_QUANT_TOL
     assert torch.equal(lin.linear(x, q, scale), out)
     assert gpu_kernels(lambda: lin.linear(x, q, scale)) == ["_quantize_activations_kernel", "_linear_kernel"]
+    monkeypatch.setattr(lin, "FP8_PREFILL", "dequantize")
+    out = lin.linear(x, q, scale)
+    assert out.dtype == torch.bfloat16 and rel_err(out, x.float() @ dequantize(q, scale).T) < 1e-2
+    assert gpu_kernels(lambda: lin.linear(x, q, scale))[0] == "_dequantize_rows_kernel"
 
 
 def gpu_kernels(fn) -> list[str]:
@@ -266,9 +269,10 @@ def test_fp8_prefill_quantizes_activations_in_a_prepass(M, N, K, cfg, reason, dt
 
 
 @pytest.mark.parametrize("M,N,K", [(65, 40, 300), (300, 24, 128)], ids=["M 65", "M 300: 3 default row tiles"])
-def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K):
-    """linear() above 64 rows with an fp8 weight: the pre-pass, then the default FP8 x FP8 tile
+def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K, monkeypatch):
+    """linear() above 64 rows with an fp8 weight and QMOE_FP8_PREFILL=fp8: the pre-pass, then the FP8 x FP8 tile
     (FP8_PREFILL_CONFIG)."""
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     x = prefill_x(M, K, torch.float32, seed=K)
     out = lin.linear(x, q, scale)
@@ -313,9 +317,11 @@ def test_fp8_prefill_takes_prequantized_activations(dtype):
 
 
 @pytest.mark.parametrize("M", [65, 200])
-def test_add_rms_norm_linear_fp8_prefill(M):
-    """The add + RMSNorm before an fp8 projection above 64 rows: the norm kernel, then the pre-pass quantizes the
-    normed rows (computed by a kernel, so the interpreter's conversion is made exact), then FP8 x FP8."""
+def test_add_rms_norm_linear_fp8_prefill(M, monkeypatch):
+    """The add + RMSNorm before an fp8 projection above 64 rows (QMOE_FP8_PREFILL=fp8): the norm kernel, then the
+    pre-pass quantizes the normed rows (computed by a kernel, so the interpreter's conversion is made exact), then
+    FP8 x FP8."""
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     N, K = 40, 300
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     gen = torch.Generator().manual_seed(2)
@@ -329,10 +335,22 @@ def test_add_rms_norm_linear_fp8_prefill(M):
     assert rel_err(out, normed.double() @ w.T) < ACT_QUANT_TOL
 
 
-def test_fp8_prefill_can_dequantize_instead(monkeypatch):
-    x, q, scale = make(65, 40, 300, torch.float32)
-    monkeypatch.setattr(lin, "FP8_PREFILL", "dequantize")
-    assert torch.equal(lin.linear(x, q, scale), naive.linear(x, q, scale))
+@pytest.mark.parametrize("M,N,K", [(65, 40, 300), (130, 13, 100)], ids=["K tail", "N 13, K < 128"])
+def test_fp8_prefill_default_dequantizes_then_runs_the_gemm(M, N, K):
+    """Above 64 rows an fp8 projection's default (FP8_PREFILL = dequantize) is the weight dequantized by the Triton
+    pass, then F.linear: the torch path's product exactly (naive.linear dequantizes in torch), no activation
+    rounding (N = 13, not a multiple of 16 bytes: the dequantized weight runs the Triton tile, another summation
+    order); the same through add_rms_norm_linear."""
+    assert lin.FP8_PREFILL == "dequantize"
+    x, q, scale = make(M, N, K, torch.float32)
+    got, want = lin.linear(x, q, scale), naive.linear(x, q, scale)
+    assert torch.equal(got, want) if N % 4 == 0 else rel_err(got, want) < TOL[torch.float32]
+    residual, nw = torch.randn(M, K), 0.1 * torch.randn(K)
+    got, want = (
+        lin.add_rms_norm_linear(x, residual, nw, 1e-6, q, scale),
+        naive.add_rms_norm_linear(x, residual, nw, 1e-6, q, scale),
+    )
+    assert rel_err(got[0], want[0]) < TOL[torch.float32] and rel_err(got[1], want[1]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize(
