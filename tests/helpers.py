@@ -28,6 +28,13 @@ def persistent_config(BLOCK_N, BLOCK_K, programs_per_sm) -> dict:
     return {**linear_config(1, BLOCK_N, BLOCK_K), "PERSISTENT": programs_per_sm}
 
 
+def fused_padding(model) -> list[tuple[torch.Tensor, int]]:
+    """(fused buffer, bytes of zero rows its storage holds past it) for each projection buffer fuse_projections_
+    made (weights and fp8 scales): the rows up to a multiple of 16 bytes of elements."""
+    fused = [b for n, b in model.named_buffers() if b is not None and n.endswith(("in_proj", "qkv_proj", "proj_scale"))]
+    return [(b, b.untyped_storage().nbytes() - b.nbytes) for b in fused]
+
+
 def poisoned(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """An output buffer filled with NaN, so anything a kernel forgets to write fails the comparison."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -10,7 +10,7 @@ from qmoe import run_experiment
 from qmoe.model import build_model, fp8_parameters, fp8_weight_names, weight_nbytes
 from qmoe.model.qwen35_moe import scale_of
 from qmoe.settings import ConfigError, validate
-from tests.helpers import rel_err, tiny_config
+from tests.helpers import fused_padding, rel_err, tiny_config
 
 TINY = tiny_config()
 ODD = tiny_config(hidden_size=144, moe_intermediate_size=40, shared_expert_intermediate_size=24)
@@ -84,11 +84,10 @@ def test_fused_fp8_groups_are_views_of_one_buffer():
     assert gdn.in_proj_b.weight_scale.data_ptr() == gdn.in_proj_scale[ODD.conv_dim + 64].data_ptr()  # z: 4 x 16
     assert moe.in_proj.dtype == torch.bfloat16 and moe.in_proj_scale is None
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    fused = [b for n, b in model.named_buffers() if n.rpartition(".")[2] in ("in_proj", "qkv_proj")]
-    fused += [b for n, b in model.named_buffers() if n.endswith("proj_scale") and b is not None]
-    padding = [b.untyped_storage().nbytes() - b.nbytes for b in fused]  # rows up to 16 bytes of elements
-    assert all(0 <= pad < 16 * b.shape[1] for pad, b in zip(padding, fused)) and any(padding)
-    assert sum(storages.values()) == weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) + sum(padding)
+    padding = fused_padding(model)
+    assert all(0 <= pad < 16 * b.shape[1] for b, pad in padding) and any(pad for _, pad in padding)
+    want = weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) + sum(pad for _, pad in padding)
+    assert sum(storages.values()) == want
     assert weight_nbytes(ODD, torch.bfloat16, fp8_weight_names(ODD, "fp8")) < 0.7 * weight_nbytes(ODD, torch.bfloat16)
 
 
@@ -164,6 +163,7 @@ def test_fp8_35b_dims_greedy_identical_across_runtimes():
     before = torch.cuda.memory_allocated()
     model = build_model(cfg, torch.bfloat16, "cuda", seed=0, fp8=fp8)
     held = torch.cuda.memory_allocated() - before  # each block rounded up to 512 bytes by the allocator
+    held -= sum(pad for _, pad in fused_padding(model))  # the fused buffers' row padding
     assert 0 <= held - weight_nbytes(cfg, torch.bfloat16, fp8) <= 512 * len(list(model.parameters()))
     prompts = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -118,8 +118,9 @@ def test_fp8_configs_and_inputs_are_checked():
 @pytest.mark.parametrize("N,K", [(12352, 2048), (1281, 2048), (2048, 512), (248320, 2048)])
 @pytest.mark.parametrize("M", [1, 8, 64, 65])
 def test_fp8_linear_gpu_bf16(N, K, M):
-    """35B projection shapes (gdn_in, moe_in, shared_down, lm_head) in bf16 on the default configs, against fp32 on
-    the dequantized weight: the bf16 activations' and output's rounding only; a CUDA-graph replay equals eager."""
+    """35B projection shapes (gdn_in, moe_in, shared_down, lm_head) in bf16 on the default configs (above 64 rows:
+    the dequantized weight and cuBLAS), against fp32 on the dequantized weight: the bf16 activations' and output's
+    rounding only; a CUDA-graph replay equals eager."""
     from tests.helpers import captured
 
     gen = torch.Generator(device="cuda").manual_seed(N + M)
@@ -127,9 +128,6 @@ def test_fp8_linear_gpu_bf16(N, K, M):
     q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
     ref = x.float() @ dequantize(q, scale).T
     out = lin.linear(x, q, scale)
-    if M > lin.MAX_M:  # FP8 x FP8: exact up to bf16 rounding on the quantized activations; a few % on x itself
-        assert rel_err(out, ref) < ACT_QUANT_TOL
-        ref = quantized_activations(x.float()).float() @ dequantize(q, scale).T
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
     graph, replayed = captured(lambda: lin.linear(x, q, scale))
     graph.replay()
