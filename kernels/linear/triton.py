@@ -23,19 +23,19 @@ FP8 weights (`scale` given; kernels/fp8.py: float8_e4m3fn [N, K], fp32 scale [N,
 kernel with SCALED: the GEMV loads each BLOCK_K step at once and scales the products of each 128-column scale
 block by its row scale (the H200 tables: 1024-2048-column steps of 2-4 rows, lm_head 128 x 32); the dot path
 (BLOCK_K <= 128) converts the tile to x's dtype (exact: e4m3 fits bf16 and fp16) and scales the step's
-[BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows
-(prefill) FP8 x FP8 in two launches: the pre-pass kernels/fp8.quantize_activations quantizes x once per (token,
-128-wide K group) (the weights' rule, bit-identical to quantize_rows on the GPU) into fp8 q [M, K] and fp32 scales
-[M, ceil(K / 128)]; then the dot path with X_FP8 (BLOCK_K = 128, one scale group per step) runs tl.dot on the two
-fp8 tiles (fp8 wgmma on sm_90) and scales each step's product by the token's and the row's scales. (Quantizing in
-the K loop instead, as before, redid every activation tile N / BLOCK_N times, on CUDA cores that then outweighed
-the wgmma: 424 us per 35B projection at 4096 tokens, issue #16.) Its error is the activations' quantization:
-~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
-That is QMOE_FP8_PREFILL=fp8. The default (dequantize) instead dequantizes the weight per call to x's dtype in
-one Triton pass (kernels/fp8.dequantize_rows) and runs F.linear: on the H200 at 4096 tokens bf16 cuBLAS took
-264.5 / 89.1 / 202.1 / 87.9 us on the 35B gdn_in / out-projections / attention qkv, the FP8 x FP8 tile with its
-pre-pass 344.9 / 140.6 / 252.8 / 139.5 (results/tune_fp8_prefill.json), and the pass costs ~20 us at the largest;
-its numerics are the bf16 model's on the dequantized weights, no activation rounding.
+[BLOCK_M, BLOCK_N] product by one scale per row; fp32 accumulation either way. Above 64 rows (prefill) with
+QMOE_FP8_PREFILL=fp8, FP8 x FP8 in two launches: the pre-pass kernels/fp8.quantize_activations quantizes x once
+per (token, 128-wide K group) (the weights' rule, bit-identical to quantize_rows on the GPU) into fp8 q [M, K] and
+fp32 scales [M, ceil(K / 128)]; then the dot path with X_FP8 (BLOCK_K = 128, one scale group per step) runs tl.dot
+on the two fp8 tiles (fp8 wgmma on sm_90) and scales each step's product by the token's and the row's scales.
+(Quantizing in the K loop instead, as before, redid every activation tile N / BLOCK_N times, on CUDA cores that
+then outweighed the wgmma: 424 us per 35B projection at 4096 tokens, issue #16.) Its error is the activations'
+quantization: ~2^-4 / sqrt(3) relative per element, a few % of a projection (tests bound it).
+The default (QMOE_FP8_PREFILL=dequantize) instead dequantizes the weight per call to x's dtype in one Triton pass
+(kernels/fp8.dequantize_rows) and runs F.linear: on the H200 at 4096 tokens bf16 cuBLAS took 264.5 / 89.1 / 202.1
+/ 87.9 us on the 35B gdn_in / gdn_out / attention qkv / attention out, the FP8 x FP8 tile with its pre-pass 344.9 /
+140.6 / 252.8 / 139.5 (results/tune_fp8_prefill.json), and the pass moves 75 MB at the largest (~20 us at copy
+bandwidth); its numerics are the bf16 model's on the dequantized weights, no activation rounding.
 
 Launch configs come from configs/<gpu>.json (experiments/tune_gemv.py), keyed by (N, K, dtype, M bucket);
 QMOE_GEMV_DEFAULT_CONFIGS=1, an unknown GPU or a missing entry use default_config(). Nothing autotunes at run
