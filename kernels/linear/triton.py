@@ -55,6 +55,7 @@ import kernels
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize_rows, k_blocks, quantize_activations
 from kernels.launch import cdiv, fast_launch, next_power_of_2
+from kernels.linear import aligned_rows
 from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
@@ -668,8 +669,7 @@ def padded_rows(weight: torch.Tensor) -> torch.Tensor | None:
     bytes of elements, where its storage holds those rows (qwen35_moe.fuse_rows_ pads the buffers it makes); else
     None. Rows past N may belong to another tensor of the storage: only their products are computed, never used."""
     N, K = weight.shape
-    align = 16 // weight.element_size()
-    n_pad = -(-N // align) * align
+    n_pad = aligned_rows(N, weight.element_size())
     end = (weight.storage_offset() + n_pad * K) * weight.element_size()
     if weight.stride() != (K, 1) or end > weight.untyped_storage().nbytes():
         return None
@@ -684,7 +684,7 @@ def _prefill_gemm(x, weight, out=None) -> torch.Tensor:
     50.0 µs; the result is the first N columns of the padded product, rows N_pad apart), else with the Triton dot
     path's tile UNALIGNED_N_CONFIG (73.5 µs)."""
     K, N = x.shape[-1], weight.shape[0]
-    if N % (16 // x.element_size()) == 0 or x.numel() == 0 or K == 0:
+    if N == aligned_rows(N, x.element_size()) or x.numel() == 0 or K == 0:
         return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
     padded = padded_rows(weight) if out is None else None
     if padded is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 import kernels
 from kernels.fp8 import FP8, quantize_into, scale_shape
+from kernels.linear import aligned_rows
 from qmoe.model.config import ModelConfig
 from qmoe.parallel import collectives
 from qmoe.parallel.layout import SINGLE, Layout
@@ -74,8 +75,8 @@ def fuse_rows_(module: nn.Module, parts: tuple[str, ...], attr: str = "weight") 
     same way (per row)."""
     subs = [module.get_submodule(part) for part in parts]
     tensors = [getattr(sub, attr).data for sub in subs]
-    rows, align = sum(t.shape[0] for t in tensors), 16 // tensors[0].element_size()
-    storage = tensors[0].new_zeros((-(-rows // align) * align, *tensors[0].shape[1:]))
+    rows = sum(t.shape[0] for t in tensors)
+    storage = tensors[0].new_zeros((aligned_rows(rows, tensors[0].element_size()), *tensors[0].shape[1:]))
     fused = torch.cat(tensors, out=storage[:rows])  # [sum n_i, K]
     start = 0
     for sub, t in zip(subs, tensors):
