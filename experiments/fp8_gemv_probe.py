@@ -4,6 +4,12 @@ an FMA) and reaches ~60 % of copy bandwidth on the fp8 bytes. Two probes of othe
 
 - `probe BLOCK_N U`: U sub-steps of 128 columns per loop iteration, unrolled, each with its own row scale (the
   first round's question: one memory round trip per 128-column step).
+- `mode ...` (the production tile, no PDL, one kernel with three bodies): `math` the production step's math (w and
+  x to fp32, products summed per 128-column scale block, times the rows' scales); `loads` the same loads with next
+  to no math (the weight bytes as int32 words, XOR-reduced): the speed of this loop structure if the math were
+  free; `thread` each thread's 16 contiguous products summed in the thread (a chain of FMAs) times their block's
+  scale, the cross-thread sums once after the loop. If `loads` is no faster than `math`, cheaper conversions or
+  sums cannot help; if it is, they can.
 - `mma BLOCK_N U stages`: the tensor cores do the multiply-add. x [1, K] is padded to [16, 128] tiles, U per
   step, and rounded to fp16; the weight tile [U, 128, BLOCK_N] converts e4m3 -> f16 exactly (one cvt per two
   weights); one batched tl.dot over the step's U scale blocks, each [16, BLOCK_N] product times the rows' scales;
@@ -68,6 +74,51 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.constexpr, U
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+@triton.jit
+def _mode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 MODE: tl.constexpr):  # fmt: skip
+    """out[n] = sum_k x[k] w[n, k] s[n, k // 128] in BLOCK_K steps (K % BLOCK_K == 0, BLOCK_K >= 128). MODE 0
+    (`math`): the production step; 1 (`loads`): w_ptr / x_ptr are int32 views of the same bytes, XOR-reduced (a
+    checksum, not the product); 2 (`thread`): products summed 16 contiguous columns per thread, times the scale."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if MODE == 1:
+        c = tl.arange(0, BLOCK_K // 4)  # int32 words of 4 fp8 weights
+        cx = tl.arange(0, BLOCK_K // 2)  # int32 words of 2 bf16 activations
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.int32)
+        acc_x = tl.zeros((BLOCK_K // 2,), tl.int32)
+        for k in range(0, K, BLOCK_K):
+            acc ^= tl.load(w_ptr + rows[:, None] * (K // 4) + (k // 4 + c)[None, :])
+            acc_x ^= tl.load(x_ptr + k // 2 + cx)
+        out = (tl.xor_sum(acc, 1) ^ tl.xor_sum(acc_x, 0)).to(tl.float32)
+    else:
+        T: tl.constexpr = 16 if MODE == 2 else 128  # columns summed before the scale
+        c = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // T), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            w = tl.load(w_ptr + rows[:, None] * K + (k + c)[None, :])
+            x = tl.load(x_ptr + k + c)
+            blocks = (k + tl.arange(0, BLOCK_K // T) * T) // 128  # each T-column group's scale block
+            s = tl.load(s_ptr + rows[:, None] * KB + blocks[None, :])  # [BLOCK_N, BLOCK_K / T]
+            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // T, T)), 2) * s
+        out = tl.sum(acc, 1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+MODES = {"math": 0, "loads": 1, "thread": 2}
+
+
+def mode(x, q, s, out, body, config):
+    N, K = q.shape
+    code = MODES[body]
+    w, xv = (q.view(torch.int32), x.view(torch.int32)) if code == 1 else (q, x)
+    _mode_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](xv, w, s, out, N, K, s.shape[1], BLOCK_N=config["BLOCK_N"],
+                                                       BLOCK_K=config["BLOCK_K"], MODE=code,
+                                                       num_warps=config["num_warps"])  # fmt: skip
+    return out
+
+
 def mma(x, q, s, out, block_n, u, stages):
     N, K = q.shape
     _mma_kernel[(triton.cdiv(N, block_n),)](x, q, s, out, N, K, s.shape[1], BLOCK_N=block_n, U=u, num_warps=4,
@@ -91,6 +142,14 @@ def measure_shape(name: str, N: int, K: int, copy: float) -> list[dict]:
     ref = (x.double() @ dequantize(q, s, torch.float64).T).float()
     out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
     variants = {"production": lambda i: lin.linear(x, *weights[i % copies])}
+    config = lin.get_config(1, N, K, q.dtype, lin.sm_count(x.device))
+    for body in MODES:  # the production tile, three loop bodies
+        variants[f"mode {body} {config['BLOCK_N']}x{config['BLOCK_K']}"] = lambda i, m=body: mode(
+            x, *weights[i % copies], out, m, config
+        )
+    xb = x[:, : K // 2].contiguous()  # bf16 weights of the same bytes: [N, K / 2]
+    dense = [torch.randn(N, K // 2, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in range(copies)]
+    variants["bf16 same bytes (production)"] = lambda i: lin.linear(xb, dense[i % copies])
     for bn in (4, 8):
         for u in (4, 16):
             if K % (128 * u) == 0:
@@ -103,7 +162,8 @@ def measure_shape(name: str, N: int, K: int, copy: float) -> list[dict]:
             )
     nbytes, rows = q.numel() + s.numel() * 4, []
     for label, fn in variants.items():
-        err = ((fn(0).float() - ref).abs().max() / ref.abs().max()).item()
+        checked = not (label.startswith("mode loads") or label.startswith("bf16"))  # a checksum / other weights
+        err = ((fn(0).float() - ref).abs().max() / ref.abs().max()).item() if checked else float("nan")
         us, _ = time_calls(fn, copies, "cuda")
         gbs = nbytes / us / 1e3
         rows.append(dict(shape=name, N=N, K=K, variant=label, us=us, gbs=gbs, pct_copy=100 * gbs / copy, err=err))

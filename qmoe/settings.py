@@ -207,6 +207,8 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
 def validate(cfg: DictConfig) -> Settings:
     """Check every key a run reads; the model architecture is checked by ModelConfig when it is built."""
     check_known_keys(cfg)
+    if error := kernels.environment_error(os.environ):
+        raise ConfigError(error)
     dtype = OmegaConf.select(cfg, "model.dtype")
     require(dtype in DTYPES, "model.dtype", f"must be one of {', '.join(DTYPES)}", dtype)
     device = resolve_device(OmegaConf.select(cfg, "model.device"))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,6 +64,16 @@ def test_sweep_values_checked_before_job_0(tmp_path):
     line = one_line_exit_2(p, "sampling.top_p", "1.5", "sweep value 2 of 2", "no job was started")
     assert "(0, 1]" in line
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("name,value", [("QMOE_FP8_PREFILL", "fp9"), ("QMOE_PDL", "off")], ids=["fp8_prefill", "pdl"])
+def test_bad_kernel_switch_in_the_environment_is_one_line(name, value, tmp_path):
+    """A kernel switch the kernels read from the environment, set to a value they do not take (QMOE_PDL=off would
+    have run with PDL on): one line naming it and its values, nothing run, no run directory."""
+    p = cli("run.py", "logger=none", f"hydra.run.dir={tmp_path / 'run'}", env={**os.environ, name: value})
+    line = one_line_exit_2(p, f"{name}={value!r}")
+    assert ", ".join(kernels.ENVIRONMENT[name]) in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_ctrl_c_writes_partial_results_in_one_line(tmp_path):

@@ -87,7 +87,7 @@ UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_w
 # time as the step's fp8 wgmma) can run under the other's wgmma; 64 x 256 on 8 warps fits too (210, 124 KB, one per
 # SM); 128 x 128 on 8 warps spills 32 B, 128 x 128 on 4 and 64 x 256 on 4 spill ~600 / ~360 B
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
-FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", "dequantize")  # | "fp8" (FP8 x FP8): the module docstring
+FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", kernels.ENVIRONMENT["QMOE_FP8_PREFILL"][0])  # the module docstring
 
 
 # ----------------------------------------------------------------------------------------------- configs
