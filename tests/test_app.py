@@ -1,5 +1,6 @@
 """run_experiment end to end on the tiny model: results.json, wandb, batches, EOS, sampling, NaN logits."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -72,6 +73,22 @@ def test_nan_logits_are_a_one_line_error():
     runner = ReferenceRunner(model, SamplingSettings(0.0, 0, 1.0, 0.0, 0), 1, TransferLedger())
     with pytest.raises(GenerationError, match="NaN in batch row 0"):
         generate(runner, [[1, 2, 3]], 4)
+
+
+def test_generation_runs_with_the_heap_frozen():
+    """A full garbage collection over the heap made before a generation (~135 ms on the CPU machine) may not land
+    in a measured step: the heap is frozen while the prefill and every decode step run, and unfrozen after."""
+    model = build_model(ModelConfig.from_dict(compose_config().model.arch), torch.float32, "cpu", seed=0)
+    model.setup_caches(1, 32)
+    runner = ReferenceRunner(model, SamplingSettings(0.0, 0, 1.0, 0.0, 0), 1, TransferLedger())
+    frozen = []
+    for name in ("start", "launch"):
+        method = getattr(runner, name)
+        setattr(runner, name, lambda *a, m=method: (frozen.append(gc.get_freeze_count()), m(*a))[1])
+    assert gc.get_freeze_count() == 0
+    generate(runner, [[1, 2, 3]], 4)
+    assert len(frozen) == 4 and min(frozen) > 0  # start + 3 decode steps
+    assert gc.get_freeze_count() == 0
 
 
 def test_wandb_offline_run(tmp_path):
