@@ -2,7 +2,7 @@
 (runtime=cuda_native export=copy_elided kernels=triton, CUDA graph, set explicitly here) against its own
 reference runner (eager, torch ops and Triton ops) and transformers' generate on the same weights.
 
-Rows: batch 1 with prompts of 128 and 4096 tokens (TTFT, prefill tokens/s, decode ms/token p50/p90, tokens/s,
+Rows: batch 1 with prompts of 128 and 4096 tokens (3 runs each, medians: TTFT, prefill tokens/s, decode ms/token p50/p90, tokens/s,
 fraction of the bandwidth floor = active weight bytes per token / copy bandwidth measured in this run); decode
 ms/step at batch 8 and 32; the reference runner on torch ops and on Triton ops (eager: host time per op call
 counts); transformers; the batch-1 loop on FP8 weights (model.weights=fp8, its floor from its own bytes). Then
@@ -18,6 +18,7 @@ nothing). Targets are printed met / missed with factors.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -46,6 +47,7 @@ PARTS = {  # op group -> part of the decode step
     "sampling": "sampling",
 }
 TARGETS_MS = {(1, 128): 2.0, (1, 4096): 2.3, (8, 128): 4.0, (32, 128): 8.0}  # decode ms/step by (batch, prompt)
+TARGET_RUNS = 3  # runs of each batch-1 target row (TTFT and decode p50: medians; every run in the JSON)
 PER_LAYER_LAUNCHES, STEP_LAUNCHES = 8, 12  # <= 8 per layer + O(1) (tests/test_launches.py: the same budget)
 
 
@@ -319,15 +321,32 @@ def main():
             targets=targets, **extra, seconds=time.time() - t0,
         )  # fmt: skip
 
-    def run(label, *overrides):
-        r = run_experiment(config(*model_args, *overrides))
-        rows.append({**row_from(r, label, floor_ms), "peak_memory": r["memory"]})
+    def run(label, *overrides, repeats=1):
+        """One row: `repeats` runs of the same config (the model is built once), the TTFT and decode p50 their
+        medians, each run's in `runs` (a TTFT is one start: a single run's can be an outlier)."""
+        runs = []
+        for _ in range(repeats):
+            r = run_experiment(config(*model_args, *overrides))
+            runs.append({**row_from(r, label, floor_ms), "peak_memory": r["memory"]})
+        row = dict(runs[0])
+        if repeats > 1:
+            per_run = ("ttft_ms", "prefill_tokens_per_s", "decode_ms_p50", "tokens_per_s")
+            row["runs"] = [{k: x[k] for k in per_run} for x in runs]
+            for k in per_run:
+                row[k] = statistics.median(x[k] for x in runs)
+            row["ttft_ms_max"] = max(x["ttft_ms"] for x in runs)
+            row["floor_fraction"] = floor_ms / row["decode_ms_p50"] if floor_ms else None
+        rows.append(row)
         save()
-        return rows[-1]
+        return row
 
     for L_prompt in prompts:
         row = run(
-            "qmoe " + " ".join(fast), *fast, f"prompt.length={L_prompt}", f"generation.max_new_tokens={new_tokens}"
+            "qmoe " + " ".join(fast),
+            *fast,
+            f"prompt.length={L_prompt}",
+            f"generation.max_new_tokens={new_tokens}",
+            repeats=TARGET_RUNS,
         )
         if not args.smoke:
             limit = TARGETS_MS[(1, L_prompt)]
