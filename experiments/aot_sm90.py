@@ -96,7 +96,7 @@ def moe_sorted(which: str, cfg=None):
     common = {"sorted_ptr": ("*i32", b), "ends_ptr": ("*i32", b), "P": ("i32", False), "E": ("i32", True),
               "H": ("i32", True), "I": ("i32", True)}  # fmt: skip
     const = {"BLOCK_E": 256, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"],
-             "A_FP8": True}  # fmt: skip
+             "A_FP8": True, "SUB_TILES": cfg.get("SUB_TILES", 0)}  # fmt: skip
     f8, f32 = ("*fp8e4nv", b), ("*fp32", b)
     if which == "up":  # fp8 x (the pre-pass's) and its scales in, bf16 h out
         args = {"x_ptr": f8, "w13_ptr": f8, "h_ptr": (p, b), "w13_s_ptr": f32, "xs_ptr": f32, **common}

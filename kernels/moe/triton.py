@@ -1025,26 +1025,79 @@ def _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
     return acc
 
 
+@triton.jit
+def _sub_tile(row_mask, BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr):
+    """How many times to halve a block's rows: the largest s <= SUB_TILES whose BLOCK_M >> s rows still hold the
+    block's real ones (they come first: a group's padding is at its end), so a tail block of a few pairs runs
+    a tile of a quarter or half the rows instead of the whole one (0 when SUB_TILES is 0)."""
+    tier = 0
+    if SUB_TILES >= 1:
+        real = tl.sum(row_mask.to(tl.int32), 0)
+        tier = (real <= BLOCK_M // 2).to(tl.int32)
+        if SUB_TILES >= 2:
+            tier += (real <= BLOCK_M // 4).to(tl.int32)
+    return tier
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block, P, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """The first ROWS pair ids of block `block` and their mask."""
+    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, ROWS))
+    return pairs, pairs < P
+
+
+@triton.jit
+def _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr,
+             BLOCK_K: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+    if A_FP8:
+        _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
+    else:
+        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, False)
+
+
 @fast_launch
 @triton.jit
 def _moe_up_sorted_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr, xs_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_FP8: tl.constexpr,
+    A_FP8: tl.constexpr, SUB_TILES: tl.constexpr,
 ):  # fmt: skip
     """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. A_FP8: the
-    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128)."""
+    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128).
+    SUB_TILES: a block with few real rows runs a tile of BLOCK_M / 2 or / 4 rows (_sub_tile)."""
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
+    block = tl.program_id(1)
+    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
+        s_ptr = w13_s_ptr
         if A_FP8:
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
-            _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
+        tier = _sub_tile(row_mask, BLOCK_M, SUB_TILES)
+        if tier == 2:
+            quarter, quarter_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 4)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, quarter, quarter_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
+        elif tier == 1:
+            half, half_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 2)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, half, half_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
         else:
-            _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, w13_s_ptr, TOP_K, BLOCK_K, False)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
+
+
+@triton.jit
+def _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, s_ptr,
+               BLOCK_K: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T for the rows `pairs` of one expert."""
+    if A_FP8:
+        acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+    else:
+        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, False)
+    rows = pairs.to(tl.int64)
+    scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
+    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
 
 
 @fast_launch
@@ -1052,24 +1105,31 @@ def _moe_up_sorted_kernel(
 def _moe_down_sorted_kernel(
     h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr, hs_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_FP8: tl.constexpr,
+    A_FP8: tl.constexpr, SUB_TILES: tl.constexpr,
 ):  # fmt: skip
     """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. A_FP8: fp8 experts and an fp8 h
-    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128)."""
+    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128). SUB_TILES: as the up kernel."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, tl.program_id(1), E, P, BLOCK_M, BLOCK_E)
+    block = tl.program_id(1)
+    expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
+        s_ptr = w2_s_ptr
         if A_FP8:
             tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
-            acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+        tier = _sub_tile(row_mask, BLOCK_M, SUB_TILES)
+        if tier == 2:
+            quarter, quarter_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 4)
+            _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, quarter, quarter_mask, offs_n, H, I, s_ptr,
+                       BLOCK_K, A_FP8)  # fmt: skip
+        elif tier == 1:
+            half, half_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 2)
+            _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, half, half_mask, offs_n, H, I, s_ptr, BLOCK_K,
+                       A_FP8)  # fmt: skip
         else:
-            acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, w2_s_ptr, BLOCK_K, False)
-        rows = pairs.to(tl.int64)
-        scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
-        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
+            _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K,
+                       A_FP8)  # fmt: skip
 
 
 COMBINE_BLOCK_H = 1024  # hidden columns per program of the prefill combine (and of its shared activation)
@@ -1131,17 +1191,20 @@ def routed_partials_into(
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
+    sub = config.get("SUB_TILES", 0)
+    if sub not in (0, 1, 2) or block_m >> sub < 16:
+        raise ValueError(f"moe config: SUB_TILES is 0, 1 or 2, with BLOCK_M >> SUB_TILES >= 16 (tl.dot): {config}")
     sorted_pairs, ends = align_pairs(ids, E + others, block_m)  # the kernels skip blocks past the E-th group
     num_blocks, block_e = sorted_pairs.numel() // block_m, next_power_of_2(E)
     x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
     _moe_up_sorted_kernel[(cdiv(I, up["BLOCK_N"]), num_blocks)](
         x_a, w13, h, sorted_pairs, ends, P, E, H, I, w13_s, x_s,
-        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **up,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, SUB_TILES=sub, **up,
     )  # fmt: skip
     h_a, h_s = quantize_activations(h) if fp8 else (h, h)
     _moe_down_sorted_kernel[(cdiv(H, down["BLOCK_N"]), num_blocks)](
         h_a, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s, h_s,
-        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, **down,
+        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, SUB_TILES=sub, **down,
     )  # fmt: skip
     return partials
 

@@ -64,6 +64,33 @@ def test_fused_moe_sorted(M, H, E, I, K, experts, reason, dtype):
     assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[dtype], reason
 
 
+# BLOCK_M 64 with SUB_TILES 2: a block runs 16, 32 or 64 rows by how many of its rows are real
+SUB_TILED = {**SMALL, "BLOCK_M": 64, "SUB_TILES": 2}
+# top-1 expert of each token, by group size: 5 (a 16-row quarter tile), 16 (exactly a quarter), 17 and 32 (half
+# tiles, the first one row past a quarter), 40 (whole), 70 (a whole block, then a 6-row quarter tail)
+GROUPS = {0: 5, 1: 16, 2: 17, 3: 32, 5: 40, 6: 70}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_sub_tiles(dtype):
+    """SUB_TILES: each block's real rows run a tile of a quarter, half or all of BLOCK_M rows (tl.dot shapes of
+    16, 32 and 64 rows in one kernel), every group size at each boundary, tokens in shuffled order; NaN scratch,
+    so a row no tile writes reaches the output."""
+    ids = torch.cat([torch.full((n,), e) for e, n in GROUPS.items()])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))][:, None]
+    M, H, E, I = len(ids), 48, 8, 32
+    x, w13, w2 = make_experts(M, H, E, I, dtype)
+    weights = torch.ones(M, 1)
+    h, partials = poisoned(M, I, dtype=dtype), poisoned(M, H, dtype=dtype)
+    out = moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config=SUB_TILED)
+    assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[dtype]
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="SUB_TILES is 0, 1 or 2"):
+            moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config={**SUB_TILED, "SUB_TILES": bad})
+    with pytest.raises(ValueError, match="BLOCK_M >> SUB_TILES >= 16"):
+        moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config={**SMALL, "SUB_TILES": 1})
+
+
 def test_fused_moe_is_deterministic():
     """The prefill combine sums the K partials in a fixed order: two runs are bit-identical."""
     x, w13, w2 = make_experts(70, 32, 5, 16, torch.float32)

@@ -153,14 +153,44 @@ PREFILL_FP8_SMALL = {
 PREFILL_ACT_TOL = 0.08
 # (M, H, E, I, K, experts used, reason); H = 300 is 128 + 128 + 44 columns, I = 136 is 128 + 8
 PREFILL_CASES = [
-    (40, 300, 6, 136, 2, [0, 1, 3, 5], "2 of 6 experts empty; H and I tails; 80 pairs in blocks of 16"),
-    (37, 128, 8, 256, 2, [2, 7], "two experts take every token: 2 full blocks and a 5-row tail each"),
+    (
+        40,
+        300,
+        6,
+        136,
+        2,
+        [0, 1, 3, 5],
+        PREFILL_FP8_SMALL,
+        "2 of 6 experts empty; H and I tails; 80 pairs in blocks of 16",
+    ),
+    (
+        37,
+        128,
+        8,
+        256,
+        2,
+        [2, 7],
+        PREFILL_FP8_SMALL,
+        "two experts take every token: 2 full blocks and a 5-row tail each",
+    ),
+    (
+        37,
+        128,
+        8,
+        256,
+        2,
+        [2, 7],
+        {**PREFILL_FP8_SMALL, "BLOCK_M": 32, "SUB_TILES": 1},
+        "sub-tiles: the 5-row tails on 16-row tiles of 32-row blocks",
+    ),
 ]
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, torch.bfloat16])
-@pytest.mark.parametrize("M,H,E,I,K,experts,reason", PREFILL_CASES, ids=[c[-1].split(";")[0] for c in PREFILL_CASES])
-def test_fp8_sorted_prefill_is_fp8_x_fp8(M, H, E, I, K, experts, reason, dtype):
+@pytest.mark.parametrize(
+    "M,H,E,I,K,experts,config,reason", PREFILL_CASES, ids=[c[-1].split(";")[0].split(":")[0] for c in PREFILL_CASES]
+)
+def test_fp8_sorted_prefill_is_fp8_x_fp8(M, H, E, I, K, experts, config, reason, dtype):
     """The sorted prefill kernels with fp8 experts, NaN scratch: the up kernel's h against float64 on the quantized
     activations, the down kernel's partials against float64 on the quantization of the kernel's own h (each stage
     exact but for fp32 accumulation and the stores' rounding), and the whole against the unquantized experts."""
@@ -169,7 +199,7 @@ def test_fp8_sorted_prefill_is_fp8_x_fp8(M, H, E, I, K, experts, reason, dtype):
     weights, ids = make_routing(M, E, K, experts=experts, seed=M)
     h, partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
     with exact_fp8_interpreter():
-        moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, PREFILL_FP8_SMALL, s13, s2)
+        moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, config, s13, s2)
     ref_h, _ = sorted_fp8_reference(x, w13, s13, w2, s2, weights, ids)
     assert rel_err(h, ref_h) < PREFILL_TOL[dtype], reason
     _, ref_partials = sorted_fp8_reference(x, w13, s13, w2, s2, weights, ids, h=h)
