@@ -541,6 +541,21 @@ def test_moe_block_skewed_gpu(M, experts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sub", [1, 2])
+def test_fused_moe_sub_tiles_35b_gpu(sub):
+    """The 4096-token table entry with SUB_TILES at 35B shapes, 512 tokens (~16 pairs per expert: most blocks run
+    the half or quarter tile, on wgmma and mma tiles of 64 and 32 rows) against float64; NaN scratch."""
+    s, M = QWEN35B, 512
+    x, w13, w2 = make_experts(M, s["H"], s["E"], s["I"], torch.bfloat16, device="cuda")
+    weights, ids = moe.route(torch.randn(M, s["E"], device="cuda"), s["K"])
+    config = {**moe.get_config(4096, s["E"], s["H"], s["I"], torch.bfloat16), "SUB_TILES": sub}
+    h = poisoned(M * s["K"], s["I"], dtype=torch.bfloat16, device="cuda")
+    partials = poisoned(M * s["K"], s["H"], dtype=torch.bfloat16, device="cuda")
+    out = moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config=config)
+    assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 def test_fused_moe_64bit_offsets_gpu():
     """122B shapes at M = 16384 (P = 131072 pairs): the last tokens' rows sit at the largest offsets."""
     s, M = QWEN122B, 16384
