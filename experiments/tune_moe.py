@@ -119,7 +119,14 @@ def tune_m(M, s, weights, device, dtype, scales=(None, None, None)):
         _, block_m, up = min(timed, key=lambda t: t[0])
         timed = [(measure({"BLOCK_M": block_m, "up": up, "down": launch(d)}), launch(d)) for d in downs]
         us, down = min(timed, key=lambda t: t[0])
-        best.append((us, {"BLOCK_M": block_m, "up": up, "down": down}))
+        config = {"BLOCK_M": block_m, "up": up, "down": down}
+        if kind == "prefill":  # then tail blocks on half / quarter tiles (SUB_TILES), where tl.dot allows them
+            subs = [sub for sub in (1, 2) if block_m >> sub >= 16]
+            timed = [(us, config)] + [
+                (measure({**config, "SUB_TILES": sub}), {**config, "SUB_TILES": sub}) for sub in subs
+            ]
+            us, config = min(timed, key=lambda t: t[0])
+        best.append((us, config))
         if len(kinds) > 1:
             print(f"  M={M} best {kind}: {us:.1f} us", flush=True)
     us, config = min(best, key=lambda b: b[0])

@@ -23,10 +23,11 @@ atomics.
         -> bit-reproducible whatever order the programs ran in.
   Routing order everywhere: descending logit (softmax is monotonic), ties to the lower expert id, as one int32
   key (_order_key), so the up kernel's ranks, its top-k and the ids it hands over always agree.
-Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
-  on device (three tiny kernels) -> grouped up and down GEMMs writing [P, H] partials; the shared expert's down
-  projection on cuBLAS; one combine kernel sums each token's partials in k order and adds the gated shared output.
-  A grid sized for the worst case skips blocks past the padded total.
+Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered in pair order into
+  expert-contiguous blocks on device (three tiny kernels, no atomics) -> grouped up and down GEMMs writing [P, H]
+  partials; the shared expert's down projection on cuBLAS; one combine kernel sums each token's partials in k
+  order and adds the gated shared output. A grid sized for the worst case skips blocks past the padded total.
+  SUB_TILES (a config key): a block whose real rows fit half or a quarter of BLOCK_M runs a tile that size.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
 on the tiled decode path every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and
@@ -302,54 +303,88 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 # ----------------------------------------------------------------------------------------------- align (prefill)
 
 
+ALIGN_CHUNK = 128  # pairs per program of the align count and scatter kernels (the scatter compares them pairwise)
+ALIGN_EXPERTS = 64  # experts per step of the count kernel's compare tile [ALIGN_CHUNK, ALIGN_EXPERTS]
+
+
 @fast_launch
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _align_count_kernel(ids_ptr, hist_ptr, P, E, n_chunks, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                        STEP_E: tl.constexpr):  # fmt: skip
+    """hist[e, c] = the pairs of chunk c (pairs c * CHUNK ..) routed to expert e."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    for e0 in tl.static_range(0, BLOCK_E, STEP_E):
+        e = e0 + tl.arange(0, STEP_E)
+        counts = tl.sum((expert[:, None] == e[None, :]).to(tl.int32), 0)  # [STEP_E]
+        tl.store(hist_ptr + e * n_chunks + c, counts, mask=e < E)
+
+
+@fast_launch
+@triton.jit
+def _align_scan_kernel(hist_ptr, counts_ptr, n_chunks, BLOCK_C: tl.constexpr):
+    """Expert e (one program): hist[e, c] -> the pairs of e in chunks before c (in place), counts[e] -> all of them."""
+    row = hist_ptr + tl.program_id(0) * n_chunks
+    total = 0
+    for c0 in range(0, n_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        h = tl.load(row + c, mask=c < n_chunks, other=0)
+        tl.store(row + c, total + tl.cumsum(h, 0) - h, mask=c < n_chunks)
+        total += tl.sum(h, 0)
+    tl.store(counts_ptr + tl.program_id(0), total)
+
+
+@fast_launch
+@triton.jit
+def _align_scatter_kernel(ids_ptr, hist_ptr, counts_ptr, sorted_ptr, ends_ptr, P, E, n_chunks, BLOCK_M: tl.constexpr,
+                          BLOCK_E: tl.constexpr, STEP_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """Each pair of chunk c to sorted[start of its expert's group + its rank], the rank being the expert's pairs
+    before it in pair order (earlier chunks from hist, earlier pairs of this chunk by comparing them all), so the
+    order is the same in every run. Each group is padded to BLOCK_M rows (the starts: every program sums the
+    padded counts itself, STEP_E experts at a time); program 0 writes the groups' ends."""
+    c = tl.program_id(0)
+    i = tl.arange(0, CHUNK)
+    offs = c * CHUNK + i
     mask = offs < P
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
-    # Rank of the pair inside its expert's group; the order inside a group does not change any result.
-    rank = tl.atomic_add(counts_ptr + expert, 1, mask=mask)
-    tl.store(rank_ptr + offs, rank, mask=mask)
-
-
-@fast_launch
-@triton.jit
-def _align_offsets_kernel(counts_ptr, starts_ptr, ends_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    offs_e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)  # [BLOCK_E]
-    tl.store(starts_ptr + offs_e, ends - padded, mask=offs_e < E)
-    tl.store(ends_ptr + offs_e, ends, mask=offs_e < E)
-
-
-@fast_launch
-@triton.jit
-def _align_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < P
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
-    dest = tl.load(starts_ptr + expert, mask=mask, other=0) + tl.load(rank_ptr + offs, mask=mask, other=0)
-    tl.store(sorted_ptr + dest, offs, mask=mask)
+    expert = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    start = tl.zeros((CHUNK,), tl.int32)
+    base = 0
+    for e0 in tl.static_range(0, BLOCK_E, STEP_E):
+        e = e0 + tl.arange(0, STEP_E)
+        counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = base + tl.cumsum(padded, 0)  # [STEP_E]
+        start += tl.sum(tl.where(e[None, :] == expert[:, None], (ends - padded)[None, :], 0), 1)
+        if c == 0:
+            tl.store(ends_ptr + e, ends, mask=e < E)
+        base += tl.sum(padded, 0)
+    earlier = tl.sum(((expert[:, None] == expert[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+    first = tl.load(hist_ptr + expert * n_chunks + c, mask=mask, other=0)
+    tl.store(sorted_ptr + start + first + earlier, offs, mask=mask)
 
 
 def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
     """Group the P pairs by expert into BLOCK_M-row blocks -> (sorted pair ids [num_blocks * BLOCK_M] int32, P in
-    padding rows; ends [E] int32, the end of each expert's padded group). num_blocks is the worst case (every used
-    expert wastes BLOCK_M - 1 rows); the GEMMs skip blocks at or past ends[E - 1]."""
+    padding rows; ends [E] int32, the end of each expert's padded group). Inside a group the pairs keep their
+    order (token, then k): deterministic, whatever order the programs run in. num_blocks is the worst case (every
+    used expert wastes BLOCK_M - 1 rows); the GEMMs skip blocks at or past ends[E - 1]."""
     P = topk_ids.numel()
     ids = topk_ids.flatten()
     num_blocks = cdiv(P + min(E, P) * (block_m - 1), block_m)
-    counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
-    rank = torch.empty(P, dtype=torch.int32, device=ids.device)
-    starts = torch.empty(E, dtype=torch.int32, device=ids.device)
+    n_chunks = cdiv(P, ALIGN_CHUNK)
+    block_e = next_power_of_2(E)
+    hist = torch.empty(E, n_chunks, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
     ends = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=ids.device)
-    BLOCK = 1024
-    _align_count_kernel[(cdiv(P, BLOCK),)](ids, counts, rank, P, BLOCK=BLOCK)
-    _align_offsets_kernel[(1,)](counts, starts, ends, E, BLOCK_M=block_m, BLOCK_E=next_power_of_2(E))
-    _align_scatter_kernel[(cdiv(P, BLOCK),)](ids, rank, starts, sorted_pairs, P, BLOCK=BLOCK)
+    step_e = min(ALIGN_EXPERTS, block_e)
+    _align_count_kernel[(n_chunks,)](ids, hist, P, E, n_chunks, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, STEP_E=step_e)
+    _align_scan_kernel[(E,)](hist, counts, n_chunks, BLOCK_C=min(1024, next_power_of_2(n_chunks)))
+    _align_scatter_kernel[(n_chunks,)](
+        ids, hist, counts, sorted_pairs, ends, P, E, n_chunks,
+        BLOCK_M=block_m, BLOCK_E=block_e, STEP_E=step_e, CHUNK=ALIGN_CHUNK,
+    )  # fmt: skip
     return sorted_pairs, ends
 
 

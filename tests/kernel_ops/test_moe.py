@@ -64,6 +64,34 @@ def test_fused_moe_sorted(M, H, E, I, K, experts, reason, dtype):
     assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[dtype], reason
 
 
+# (M, E, K, BLOCK_M, duplicate ids per token, reason)
+ALIGN_CASES = [
+    (1, 8, 2, 16, False, "one token: two groups of one pair, one chunk"),
+    (300, 13, 3, 64, False, "prime E, 900 pairs: 8 chunks, ranks carried across chunks"),
+    (1000, 256, 8, 128, False, "the 35B router: 63 chunks, 256 groups in four 64-expert steps"),
+    (200, 257, 8, 64, True, "expert parallel's extra group (id E - 1 four times per token), E past a power of 2"),
+]
+
+
+@pytest.mark.parametrize("M,E,K,block_m,dup,reason", ALIGN_CASES, ids=[c[-1].split(":")[0] for c in ALIGN_CASES])
+def test_align_pairs_groups_in_pair_order(M, E, K, block_m, dup, reason):
+    """align_pairs: each expert's group holds its pairs in pair order (deterministic: no atomics), then P in its
+    padding to a multiple of BLOCK_M; ends are the padded groups' running ends."""
+    gen = torch.Generator().manual_seed(M)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)])
+    if dup:
+        ids[:, :4] = E - 1
+    sorted_pairs, ends = moe.align_pairs(ids, E, block_m)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert ends.tolist() == padded.cumsum(0).tolist(), reason
+    starts = (padded.cumsum(0) - padded).tolist()
+    for e in range(E):
+        group = sorted_pairs[starts[e] : starts[e] + padded[e]]
+        assert group[: counts[e]].tolist() == torch.nonzero(ids.flatten() == e).flatten().tolist(), (reason, e)
+        assert (group[counts[e] :] == M * K).all(), (reason, e)
+
+
 # BLOCK_M 64 with SUB_TILES 2: a block runs 16, 32 or 64 rows by how many of its rows are real
 SUB_TILED = {**SMALL, "BLOCK_M": 64, "SUB_TILES": 2}
 # top-1 expert of each token, by group size: 5 (a 16-row quarter tile), 16 (exactly a quarter), 17 and 32 (half
@@ -553,6 +581,8 @@ def test_fused_moe_sub_tiles_35b_gpu(sub):
     partials = poisoned(M * s["K"], s["H"], dtype=torch.bfloat16, device="cuda")
     out = moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config=config)
     assert rel_err(out, reference(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+    assert all(torch.equal(moe.fused_moe_into(x, w13, w2, weights, ids, h, partials, config=config), out)
+               for _ in range(5))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -301,14 +301,17 @@ def test_fp8_moe_gemv_gpu_wide_steps(H, I, up_k, down_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sub", [0, 2], ids=["tiles", "sub-tiles"])
 @pytest.mark.parametrize("M", [4096, 300])
-def test_fp8_sorted_prefill_gpu_35b(M):
+def test_fp8_sorted_prefill_gpu_35b(M, sub):
     """The FP8 x FP8 sorted kernels compiled for the GPU at the 35B shape (E 256, H 2048, I 512, top-8) in bf16, on the
-    default prefill_fp8 tiles, NaN scratch: h against fp32 on the quantized activations, the partials against fp32
-    on the quantization of the kernel's own h (the pre-pass's quantization is bit-identical to quantize_rows, so only
-    accumulation order and bf16 rounding differ); bit-reproducible."""
+    table's tiles (with SUB_TILES 2: tail blocks on 16- and 32-row tiles), NaN scratch: h against fp32 on the
+    quantized activations, the partials against fp32 on the quantization of the kernel's own h (the pre-pass's
+    quantization is bit-identical to quantize_rows, so only accumulation order and bf16 rounding differ);
+    bit-reproducible (the rows in a tail block are the same in every run: align_pairs keeps pair order)."""
     torch.manual_seed(M)
     E, H, I, K = 256, 2048, 512, 8
+    config = {**moe.get_config(M, E, H, I, torch.float8_e4m3fn), "SUB_TILES": sub}
     x = torch.randn(M, H, device="cuda").bfloat16()
     w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
     w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
@@ -317,7 +320,7 @@ def test_fp8_sorted_prefill_gpu_35b(M):
         poisoned(M * K, I, dtype=torch.bfloat16, device="cuda"),
         poisoned(M * K, H, dtype=torch.bfloat16, device="cuda"),
     )
-    moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, None, s13, s2)
+    moe.routed_partials_into(x, w13, w2, weights, ids, h, partials, config, s13, s2)
     f32 = torch.float32
     e = ids.flatten()
     a = quantized_activations(x.float()).float().repeat_interleave(K, 0)
@@ -333,7 +336,7 @@ def test_fp8_sorted_prefill_gpu_35b(M):
     ref_p[order] = down
     assert rel_err(partials, ref_p * weights.flatten()[:, None]) < 1e-2
     again = poisoned(M * K, H, dtype=torch.bfloat16, device="cuda")
-    moe.routed_partials_into(x, w13, w2, weights, ids, h.clone(), again, None, s13, s2)
+    moe.routed_partials_into(x, w13, w2, weights, ids, h.clone(), again, config, s13, s2)
     assert torch.equal(again, partials)
 
 
