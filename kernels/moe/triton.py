@@ -309,9 +309,10 @@ ALIGN_EXPERTS = 64  # experts per step of the count kernel's compare tile [ALIGN
 
 @fast_launch
 @triton.jit
-def _align_count_kernel(ids_ptr, hist_ptr, P, E, n_chunks, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+def _align_count_kernel(ids_ptr, hist_ptr, counts_ptr, P, E, n_chunks, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
                         STEP_E: tl.constexpr):  # fmt: skip
-    """hist[e, c] = the pairs of chunk c (pairs c * CHUNK ..) routed to expert e."""
+    """hist[e, c] = the pairs of chunk c (pairs c * CHUNK ..) routed to expert e, also added to counts[e] (integer
+    atomics: the totals do not depend on the order)."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     expert = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
@@ -319,49 +320,42 @@ def _align_count_kernel(ids_ptr, hist_ptr, P, E, n_chunks, CHUNK: tl.constexpr, 
         e = e0 + tl.arange(0, STEP_E)
         counts = tl.sum((expert[:, None] == e[None, :]).to(tl.int32), 0)  # [STEP_E]
         tl.store(hist_ptr + e * n_chunks + c, counts, mask=e < E)
+        tl.atomic_add(counts_ptr + e, counts, mask=(e < E) & (counts > 0))
 
 
 @fast_launch
 @triton.jit
-def _align_scan_kernel(hist_ptr, counts_ptr, n_chunks, BLOCK_C: tl.constexpr):
-    """Expert e (one program): hist[e, c] -> the pairs of e in chunks before c (in place), counts[e] -> all of them."""
-    row = hist_ptr + tl.program_id(0) * n_chunks
-    total = 0
+def _align_scan_kernel(hist_ptr, counts_ptr, ends_ptr, n_chunks, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_C: tl.constexpr):  # fmt: skip
+    """Expert e (one program): its group starts after the groups of experts < e, each padded to BLOCK_M rows;
+    hist[e, c] -> where chunk c's pairs of e start in the sorted pairs (the start plus e's pairs in chunks < c)."""
+    expert = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(e < expert, padded, 0), 0)
+    tl.store(ends_ptr + expert, start + tl.sum(tl.where(e == expert, padded, 0), 0))
+    row = hist_ptr + expert * n_chunks
     for c0 in range(0, n_chunks, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         h = tl.load(row + c, mask=c < n_chunks, other=0)
-        tl.store(row + c, total + tl.cumsum(h, 0) - h, mask=c < n_chunks)
-        total += tl.sum(h, 0)
-    tl.store(counts_ptr + tl.program_id(0), total)
+        tl.store(row + c, start + tl.cumsum(h, 0) - h, mask=c < n_chunks)
+        start += tl.sum(h, 0)
 
 
 @fast_launch
 @triton.jit
-def _align_scatter_kernel(ids_ptr, hist_ptr, counts_ptr, sorted_ptr, ends_ptr, P, E, n_chunks, BLOCK_M: tl.constexpr,
-                          BLOCK_E: tl.constexpr, STEP_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """Each pair of chunk c to sorted[start of its expert's group + its rank], the rank being the expert's pairs
-    before it in pair order (earlier chunks from hist, earlier pairs of this chunk by comparing them all), so the
-    order is the same in every run. Each group is padded to BLOCK_M rows (the starts: every program sums the
-    padded counts itself, STEP_E experts at a time); program 0 writes the groups' ends."""
+def _align_scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, P, n_chunks, CHUNK: tl.constexpr):
+    """Each pair of chunk c to sorted[where chunk c's pairs of its expert start + those before it in the chunk]:
+    pair order inside every group, the same in every run."""
     c = tl.program_id(0)
     i = tl.arange(0, CHUNK)
     offs = c * CHUNK + i
     mask = offs < P
     expert = tl.load(ids_ptr + offs, mask=mask, other=-1)
-    start = tl.zeros((CHUNK,), tl.int32)
-    base = 0
-    for e0 in tl.static_range(0, BLOCK_E, STEP_E):
-        e = e0 + tl.arange(0, STEP_E)
-        counts = tl.load(counts_ptr + e, mask=e < E, other=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = base + tl.cumsum(padded, 0)  # [STEP_E]
-        start += tl.sum(tl.where(e[None, :] == expert[:, None], (ends - padded)[None, :], 0), 1)
-        if c == 0:
-            tl.store(ends_ptr + e, ends, mask=e < E)
-        base += tl.sum(padded, 0)
     earlier = tl.sum(((expert[:, None] == expert[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
     first = tl.load(hist_ptr + expert * n_chunks + c, mask=mask, other=0)
-    tl.store(sorted_ptr + start + first + earlier, offs, mask=mask)
+    tl.store(sorted_ptr + first + earlier, offs, mask=mask)
 
 
 def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -375,16 +369,16 @@ def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
     n_chunks = cdiv(P, ALIGN_CHUNK)
     block_e = next_power_of_2(E)
     hist = torch.empty(E, n_chunks, dtype=torch.int32, device=ids.device)
-    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
+    counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
     ends = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=ids.device)
-    step_e = min(ALIGN_EXPERTS, block_e)
-    _align_count_kernel[(n_chunks,)](ids, hist, P, E, n_chunks, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, STEP_E=step_e)
-    _align_scan_kernel[(E,)](hist, counts, n_chunks, BLOCK_C=min(1024, next_power_of_2(n_chunks)))
-    _align_scatter_kernel[(n_chunks,)](
-        ids, hist, counts, sorted_pairs, ends, P, E, n_chunks,
-        BLOCK_M=block_m, BLOCK_E=block_e, STEP_E=step_e, CHUNK=ALIGN_CHUNK,
-    )  # fmt: skip
+    _align_count_kernel[(n_chunks,)](
+        ids, hist, counts, P, E, n_chunks, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, STEP_E=min(ALIGN_EXPERTS, block_e)
+    )
+    _align_scan_kernel[(E,)](
+        hist, counts, ends, n_chunks, E, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=min(1024, next_power_of_2(n_chunks))
+    )
+    _align_scatter_kernel[(n_chunks,)](ids, hist, sorted_pairs, P, n_chunks, CHUNK=ALIGN_CHUNK)
     return sorted_pairs, ends
 
 
