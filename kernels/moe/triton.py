@@ -23,10 +23,11 @@ atomics.
         -> bit-reproducible whatever order the programs ran in.
   Routing order everywhere: descending logit (softmax is monotonic), ties to the lower expert id, as one int32
   key (_order_key), so the up kernel's ranks, its top-k and the ids it hands over always agree.
-Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered in pair order into
-  expert-contiguous blocks on device (three tiny kernels, no atomics) -> grouped up and down GEMMs writing [P, H]
-  partials; the shared expert's down projection on cuBLAS; one combine kernel sums each token's partials in k
-  order and adds the gated shared output. A grid sized for the worst case skips blocks past the padded total.
+Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
+  on device, in pair order inside each group (three tiny kernels; integer atomics only sum the counts) -> grouped
+  up and down GEMMs writing [P, H] partials; the shared expert's down projection on cuBLAS; one combine kernel
+  sums each token's partials in k order and adds the gated shared output. A grid sized for the worst case skips
+  blocks past the padded total.
   SUB_TILES (a config key): a block whose real rows fit half or a quarter of BLOCK_M runs a tile that size.
 FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 128)]; the routed experts w13 and
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
@@ -375,9 +376,8 @@ def align_pairs(topk_ids: torch.Tensor, E: int, block_m: int):
     _align_count_kernel[(n_chunks,)](
         ids, hist, counts, P, E, n_chunks, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, STEP_E=min(ALIGN_EXPERTS, block_e)
     )
-    _align_scan_kernel[(E,)](
-        hist, counts, ends, n_chunks, E, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=min(1024, next_power_of_2(n_chunks))
-    )
+    block_c = min(1024, max(16, next_power_of_2(n_chunks)))
+    _align_scan_kernel[(E,)](hist, counts, ends, n_chunks, E, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=block_c)
     _align_scatter_kernel[(n_chunks,)](ids, hist, sorted_pairs, P, n_chunks, CHUNK=ALIGN_CHUNK)
     return sorted_pairs, ends
 
