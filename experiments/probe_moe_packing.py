@@ -48,11 +48,15 @@ def main():
     for sub in (1, 2):
         configs[f"table, SUB_TILES {sub}"] = {**table, "SUB_TILES": sub}
     rows = []
+
+    def save():  # after every row: a run cut short keeps what it measured
+        write_json(args.out, "probe_moe_packing", dev, shape=dict(E=E, H=H, I=I, K=K, M=M), rows=rows,
+                   seconds=time.time() - t0)  # fmt: skip
+
     for name, config in configs.items():
         for routing, ids in routings.items():
             rows.append(measure(name, config, routing, ids, x, ((w13, None), (w2, None)), weights, h, partials))
-            write_json(args.out, "probe_moe_packing", dev, shape=dict(E=E, H=H, I=I, K=K, M=M), rows=rows,
-                       seconds=time.time() - t0)  # fmt: skip
+            save()
     q13, q2 = quantize_rows(w13), quantize_rows(w2)  # (fp8, scale) each
     del w13, w2
     fp8_table = {**tri.get_config(M, E, H, I, torch.float8_e4m3fn), "SUB_TILES": 0}
@@ -61,8 +65,7 @@ def main():
         if fp8_table["BLOCK_M"] >> sub < 16:
             continue
         rows.append(measure(name, config, "uniform", routings["uniform"], x, (q13, q2), weights, h, partials))
-        write_json(args.out, "probe_moe_packing", dev, shape=dict(E=E, H=H, I=I, K=K, M=M), rows=rows,
-                   seconds=time.time() - t0)  # fmt: skip
+        save()
 
 
 def measure(name, config, routing, ids, x, experts, weights, h, partials) -> dict:
