@@ -3,9 +3,9 @@
 A kernel change that looks right in SASS can still make the step slower (results/probe_decode_latency.json): only
 the graphed step, timed beside the version it replaces on the same card in the same process, decides. Each
 `--variant NAME:GROUP=FILE[,GROUP=FILE]` loads FILE (e.g. `git show HEAD~1:kernels/moe/triton.py > old.py`) as
-the op module of GROUP (moe, linear, gdn, attention, norm); the variant `current` (the checkout's kernels) always
-runs. Rounds alternate the variants (A B A B ...), each round a fresh capture timed by tune_decode_loop.replay_ms,
-so drift between rounds shows as spread, not as a difference.
+the op module of GROUP (moe, linear, gdn, attention, norm), with the checkout's launch tables (share_tuned_state);
+the variant `current` (the checkout's kernels) always runs. Rounds alternate the variants (A B A B ...), each round
+a fresh capture timed by tune_decode_loop.replay_ms, so drift between rounds shows as spread, not as a difference.
 
     PYTHONPATH=. python experiments/ab_decode_step.py --variant base:moe=.ab/moe_base.py [--weights fp8]
         [--rounds 3] [--replays 100] [--out results/ab_decode_step.json]
@@ -29,12 +29,33 @@ def load_module(name: str, path: str):
     return module
 
 
+# Module-level tuned state: a kernel file reads its launch table relative to itself (kernels/<group>/configs/), so a
+# copy under .ab/ found none and ran the op's default configs (at M = 1 the MoE's two 2-wave grids: +220 us a step,
+# results/ab_decode_rank.json). A variant shares the checkout's tables: what differs between variants is code.
+TUNED_STATE = ("CONFIG_TABLE", "DECODE_OPTIONS", "PREFILL_OPTIONS")
+
+
+def share_tuned_state(variant, group: str) -> None:
+    """Give `variant` (a copy of kernels/<group>/triton.py) the checkout's tables and options, in place."""
+    checkout = importlib.import_module(f"kernels.{group}.triton")
+    for name in TUNED_STATE:
+        mine, theirs = getattr(variant, name, None), getattr(checkout, name, None)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            mine.clear()
+            mine.update(theirs)
+    if hasattr(getattr(variant, "get_config", None), "cache_clear"):
+        variant.get_config.cache_clear()
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     name, _, groups = text.partition(":")
     if not name or not groups:
         raise SystemExit(f"--variant takes NAME:GROUP=FILE[,GROUP=FILE], got {text!r}")
     files = dict(g.split("=", 1) for g in groups.split(","))
-    return name, {group: load_module(f"ab_{name}_{group}", path) for group, path in files.items()}
+    modules = {group: load_module(f"ab_{name}_{group}", path) for group, path in files.items()}
+    for group, module in modules.items():
+        share_tuned_state(module, group)
+    return name, modules
 
 
 def main():

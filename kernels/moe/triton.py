@@ -221,28 +221,75 @@ def _key_value(key):
 
 
 @triton.jit
+def _packed_keys(logits_ptr, stride_e, E, BLOCK_E: tl.constexpr):
+    """One integer per expert: its logit's order key above its inverted id, so the largest is the largest logit
+    and, among equal keys, the lower id; padding lanes lie below every real key. bf16 logits pack a 16-bit key
+    (a bf16's fp32 bits end in 16 zeros: exact) and the id into an int32, others a 32-bit key into an int64: the
+    M = 1 up kernel's max rounds over int32 cost half as much (35B step 2.092 -> 2.058 ms on the H200,
+    results/ab_decode_rank.json). One max per rank finds the value and the id at once (an argmax and a second
+    reduction for the value cost twice as long)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0)
+    keys = _order_key(logits.to(tl.float32))
+    if logits_ptr.dtype.element_ty == tl.bfloat16:  # static: the one branch compiles
+        tl.static_assert(BLOCK_E <= 65536, "the 16-bit packing holds ids below 2^16")
+        packed = tl.where(offs_e < E, keys >> 16, -32768) * 65536 + (BLOCK_E - 1 - offs_e)
+    else:
+        packed = tl.where(offs_e < E, keys, -2147483648).to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e)
+    return packed
+
+
+@triton.jit
+def _take(packed, best):
+    """packed with the expert of key `best` dropped below every key (keys are distinct: each holds its id)."""
+    if packed.dtype == tl.int32:  # static, as below: the one branch compiles
+        taken = tl.where(packed == best, -2147483648, packed)
+    else:
+        taken = tl.where(packed == best, -2147483648 * 4294967296, packed)
+    return taken
+
+
+@triton.jit
+def _unpack(best, BLOCK_E: tl.constexpr):
+    """A packed key -> (expert id int32, its logit fp32)."""
+    if best.dtype == tl.int32:
+        key = best >> 16
+        bits = tl.where(key >= 0, key, key ^ 0x7FFF) << 16  # the logit's fp32 bits (ending in 16 zeros)
+        idx, value = BLOCK_E - 1 - (best & 65535), bits.to(tl.float32, bitcast=True)
+    else:
+        idx, value = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32), _key_value((best >> 32).to(tl.int32))
+    return idx, value
+
+
+@triton.jit
 def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's top-k experts (descending logit, ties to the lower id) and their softmax probabilities
     renormalised over the k -> (ids [BLOCK_TOP] int32, weights [BLOCK_TOP] fp32); lanes >= TOP_K hold 0."""
-    offs_e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0).to(tl.float32)
-    keys = tl.where(offs_e < E, _order_key(logits), -2147483648)  # padding below every real key
-    # One int64 per expert, the order key above its inverted id: one max per k finds the largest logit and,
-    # among equal keys, the lower id (an argmax and a second reduction for the value cost twice as long).
-    packed = keys.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e)
-    floor = packed * 0 + -2147483648 * 4294967296  # the padding key's: a taken expert drops to it
+    packed = _packed_keys(logits_ptr, stride_e, E, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_TOP)
     ids = tl.zeros([BLOCK_TOP], tl.int32)
     top = tl.full([BLOCK_TOP], float("-inf"), tl.float32)
     for k in tl.static_range(TOP_K):
         best = tl.max(packed, 0)
-        idx = (BLOCK_E - 1 - (best & 4294967295)).to(tl.int32)
+        idx, value = _unpack(best, BLOCK_E)
         ids = tl.where(offs_k == k, idx, ids)
-        top = tl.where(offs_k == k, _key_value((best >> 32).to(tl.int32)), top)
-        packed = tl.where(offs_e == idx, floor, packed)
+        top = tl.where(offs_k == k, value, top)
+        packed = _take(packed, best)
     # softmax over all E, renormalised over the top k: the full denominator cancels, exp(l - l_max) stays
     probs = tl.exp(top - tl.max(top, 0))  # lanes >= TOP_K: exp(-inf) = 0
     return ids, probs / tl.sum(probs, 0)
+
+
+@triton.jit
+def _kth_expert(logits_ptr, stride_e, E, k, BLOCK_E: tl.constexpr):
+    """The expert of rank k (0 = the largest logit) in _token_topk's order, after k + 1 max rounds instead of
+    TOP_K: the M = 1 up kernel's programs of the first slots start streaming their experts sooner (35B step
+    2.058 -> 2.024 ms on the H200, results/ab_decode_rank.json)."""
+    packed = _packed_keys(logits_ptr, stride_e, E, BLOCK_E)
+    for _ in range(k):
+        packed = _take(packed, tl.max(packed, 0))
+    idx, _ = _unpack(tl.max(packed, 0), BLOCK_E)
+    return idx
 
 
 @triton.jit
@@ -869,22 +916,26 @@ def _moe_up_gemv_kernel(
     k-th expert (each token's pairs on their own: two tokens of one expert stream it twice, the second from L2
     only while it is still there: 122B same-8 routing at M = 4 reads HBM, results/bench_moe_batch.json).
     No tensor cores: [BLOCK_N, BLOCK_K] gate and up tiles with 16-byte loads along H, elementwise fp32 FMAs, one
-    reduction after the loop. Every program ranks the E logits itself (no launch for routing). EXPERTS_FP8: the
-    loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert parallel): w13
-    holds experts FIRST .. FIRST + EL - 1 of the E the router ranks; a program whose expert another rank holds
-    loads and stores nothing (the down kernel reads no h row of it)."""
+    reduction after the loop. Every program ranks the E logits itself (no launch for routing), only as far as its
+    own slot: k + 1 max rounds (_kth_expert); program (0, a last slot) ranks all K and hands them over.
+    EXPERTS_FP8: the loop is _up_gemv_fp8's (one scale per row per SUB_K = min(BLOCK_K, 128) columns). EP (expert
+    parallel): w13 holds experts FIRST .. FIRST + EL - 1 of the E the router ranks; a program whose expert another
+    rank holds loads and stores nothing (the down kernel reads no h row of it)."""
     allow_dependents(PDL)
     wait_for_producers(PDL)  # the routing needs the router logits first: nothing to load before the wait
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t, k = pair // TOP_K, pair % TOP_K
     x_ptr += t * H  # x is [M, H] contiguous
-    top_ids, top_weights = _token_topk(proj_ptr + t * stride_pm, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
-    offs_top = tl.arange(0, BLOCK_TOP)
-    if (pid_n == 0) & (k == 0):  # the token's routing, which the down kernel reads
+    logits_ptr = proj_ptr + t * stride_pm
+    if (pid_n == 0) & (k == TOP_K - 1):  # the token's routing, which the down kernel reads (K rounds here anyway)
+        top_ids, top_weights = _token_topk(logits_ptr, stride_pe, E, TOP_K, BLOCK_TOP, BLOCK_E)
+        offs_top = tl.arange(0, BLOCK_TOP)
         tl.store(weights_ptr + t * TOP_K + offs_top, top_weights, mask=offs_top < TOP_K)
         tl.store(ids_ptr + t * TOP_K + offs_top, top_ids, mask=offs_top < TOP_K)
-    expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+        expert = tl.sum(tl.where(offs_top == k, top_ids, 0), 0)
+    else:
+        expert = _kth_expert(logits_ptr, stride_pe, E, k, BLOCK_E)
     if EP:
         local = expert - FIRST
         if (local >= 0) & (local < EL):

@@ -150,6 +150,38 @@ def test_route_ties_and_strided_logits():
     assert all(len(set(row.tolist())) == 4 for row in ids)
 
 
+def ranked(row: torch.Tensor, top_k: int) -> list[int]:
+    """The kernels' order of one row of logits: descending by the fp32 bits' order key (-0.0 below +0.0, NaN
+    above +inf), ties to the lower id."""
+    bits = row.float().view(torch.int32).tolist()
+    key = [b if b >= 0 else b ^ 0x7FFFFFFF for b in bits]
+    return sorted(range(len(key)), key=lambda e: (-key[e], e))[:top_k]
+
+
+def awkward_logits(M: int, E: int, seed: int) -> torch.Tensor:
+    """Logits whose order needs every part of the key: exact ties (values rounded to halves), -0.0 and +0.0,
+    +-inf and NaN (in some rows), exactly representable in bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(M, E, generator=gen) * 2).round() / 2
+    logits[:, 1], logits[:, 2] = -0.0, 0.0
+    logits[1::2, 4], logits[1::2, E - 1] = float("inf"), float("-inf")
+    logits[2::3, 6] = float("nan")
+    return logits
+
+
+@pytest.mark.parametrize("E,reason", [(256, "35B: BLOCK_E = E"), (200, "padding lanes"), (37, "prime E")])
+def test_route_bf16_keys_order_like_fp32(E, reason):
+    """bf16 logits rank on 16-bit keys packed with the id in an int32 (_packed_keys); fp32 ones on 32-bit keys in
+    an int64. On the same values (bf16 -> fp32 is exact) both give the same experts in the same order, ties and
+    signed zeros and NaN included (torch's CPU cast makes NaN 0xFFFF in bf16: below -inf in the order), and the
+    same weights."""
+    logits = awkward_logits(9, E, seed=E).to(torch.bfloat16)
+    weights, ids = moe.route(logits, 8)
+    ref_w, ref_ids = moe.route(logits.float(), 8)
+    assert ids.tolist() == ref_ids.tolist() == [ranked(row, 8) for row in logits], reason
+    torch.testing.assert_close(weights, ref_w, rtol=0, atol=0, equal_nan=True)
+
+
 def block_args(M, H, E, I, Is, dtype, seed=0, router=None):
     """(x, proj, w13, w2, shared_down): proj is the fused input projection the model's SparseMoE computes, as the
     model hands it over (row length E + 2 Is + 1, odd, so rows are unaligned), or a column slice of a wider
@@ -291,13 +323,43 @@ def test_moe_block_gemv_takes_a_register_cap():
     assert rel_err(out, block_reference(args, 3)) < TOL[torch.float32]
 
 
-def test_moe_block_gemv_routes_ties_like_the_reference():
-    """Exact ties inside the top k: the k-th slot must hold the same expert in the up kernel, in the routing it
-    hands over and in the reference (lower id first), or the down kernel applies one expert's rows to another's h."""
+def slot_h(args, ids, I):
+    """h [K, I] in fp64 of one token's pairs: silu(x @ gate_e^T) * (x @ up_e^T), e = ids[k]."""
+    x, w13 = args[0].double(), args[2].double()
+    return torch.cat([torch.nn.functional.silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T) for e in ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["int64 keys", "bf16: int32 keys"])
+def test_moe_block_gemv_routes_ties_like_the_reference(dtype):
+    """Exact ties inside the top k: the k-th slot must hold the same expert in the up kernel (each program ranks
+    only up to its slot, _kth_expert: its h row), in the routing it hands over (one program ranks all K) and in
+    the reference (lower id first), or the down kernel applies one expert's rows to another's h. (The block's
+    output is checked in fp32: the interpreter's bf16 down kernel gives garbage, also before _kth_expert; the
+    GPU tests run it in bf16.)"""
     tied = lambda M, E: torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, -2.0, -1.0]]).expand(M, E)  # noqa: E731
-    args = block_args(1, 32, 8, 16, 16, torch.float32, router=tied)
-    out = moe.moe_block_decode(*args, 4, config=GEMV_SMALL, scratch=decode_poisoned(args[0], 16, 4, GEMV_SMALL))
-    assert rel_err(out, block_reference(args, 4)) < TOL[torch.float32]
+    args = block_args(1, 32, 8, 16, 16, dtype, router=tied)
+    scratch = decode_poisoned(args[0], 16, 4, GEMV_SMALL)
+    out = moe.moe_block_decode(*args, 4, config=GEMV_SMALL, scratch=scratch)
+    assert scratch["i32"].tolist() == [1, 2, 4, 5]
+    assert rel_err(scratch["h"], slot_h(args, [1, 2, 4, 5], 16)) < TOL[dtype]
+    if dtype == torch.float32:
+        assert rel_err(out, block_reference(args, 4)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_moe_block_gemv_each_slot_takes_its_rank(K):
+    """bf16 logits with ties, signed zeros, infinities and NaN on the M = 1 up kernel: every slot's program finds
+    its expert after k + 1 rounds (its h row is that expert's), and the routing handed over is the whole order.
+    K = 1: the one slot is the last, the program that hands over."""
+    E = 37
+    logits = awkward_logits(1, E, seed=K)
+    logits[0, 4], logits[0, 6], logits[0, E - 1] = float("inf"), float("nan"), float("-inf")
+    logits = logits.to(torch.bfloat16)
+    args = block_args(1, 32, E, 16, 16, torch.bfloat16, router=lambda M, E: logits)
+    scratch = decode_poisoned(args[0], 16, K, GEMV_SMALL)
+    moe.moe_block_decode(*args, K, config=GEMV_SMALL, scratch=scratch)
+    assert scratch["i32"].tolist() == ranked(logits[0], K)
+    assert rel_err(scratch["h"], slot_h(args, ranked(logits[0], K), 16)) < TOL[torch.bfloat16]
 
 
 def test_moe_block_gemv_is_deterministic_and_default():
