@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kernels.attention import triton as attention  # noqa: E402
+from kernels.gdn import fused_recurrent  # noqa: E402
 from kernels.linear import triton as linear  # noqa: E402
 from kernels.moe import triton as moe  # noqa: E402
 from kernels.tuned import gpu_config_path  # noqa: E402
@@ -108,6 +109,12 @@ def kernels_35b() -> dict:
                  EXPERTS_FP8=False, SHARED_FP8=False, EP=False, PDL=True),
             {"weights_ptr": "*fp32", "ids_ptr": "*i32"}, down["num_warps"], down["num_stages"], down.get("maxnreg"),
             triton.cdiv(2048, down["BLOCK_N"]),
+        ),
+        "DeltaNet decode (conv, gates, state update, gated norm)": (
+            fused_recurrent._decode_kernel,
+            dict(NK=16, G=2, DK=128, DV=128, KW=4, KP=4, BK=128, BV=128, SV=1, PDL=True),
+            {"state_ptr": "*fp32", "readers_ptr": "*i32", "norm_arrivals_ptr": "*i32", "sumsq_ptr": "*fp32"},
+            4, 1, None, 32,
         ),
         "attention decode (norm + RoPE, split-K, merge, gate)": (
             attention._decode_kernel,

@@ -156,18 +156,28 @@ def _decode_kernel(
     REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     allow_dependents(PDL)
-    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Every load whose address does not depend on the position issues first, with the position's: the new
-    # token's q, k, v and the gate (every split loads them, empty ones too: a few KB), then, once the position is
-    # in, this split's first K/V tile; the q/k norm and RoPE math runs while that tile comes from HBM. (The gate
-    # and q/k loads waited on the position before, the tile on the norm math, the merging split's gate on its
-    # arrival: four dependent round trips where there are now two.)
-    pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    # Before the PDL wait: the position and this split's first K/V tile. No kernel this one may overlap writes
+    # them: the positions are torch ops at the forward's start and the keys < pos this layer's attention of
+    # earlier steps (or the prefill's kernels), all before a launch without PDL (the embedding) that starts only
+    # once every kernel before it has completed. (After the wait they were two dependent round trips, the
+    # position's then the tile's, ahead of all the math.)
+    pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
+    n_tiles = tl.cdiv(pos + 1, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
+    last = tl.minimum(end, pos)  # keys start .. last - 1 come from the cache (none in an empty split)
+    k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
+    v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
+    k_next, v_next = _kv_tile(k_cache_row, v_cache_row, start, last, d, d_ok, stride_kcs, stride_vcs, BLOCK_N)
+    wait_for_producers(PDL)
+    # Then every load of the projection's outputs at once: the new token's q, k, v and the gate (every split
+    # loads them, empty ones too: a few KB); the q/k norm and RoPE math runs while the tile comes from HBM.
     g = tl.arange(0, BLOCK_G)
     q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
     g_ok = g < G
@@ -182,14 +192,6 @@ def _decode_kernel(
     heads = kv_head * G + rg  # the same q heads as the merge's (and the gate's) rows
     out_ok = (rg < G)[:, None] & d_ok[None, :]
     gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :], mask=out_ok, other=0.0)
-    n_tiles = tl.cdiv(pos + 1, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
-    last = tl.minimum(end, pos)  # keys start .. last - 1 come from the cache (none in an empty split)
-    k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
-    v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
-    k_next, v_next = _kv_tile(k_cache_row, v_cache_row, start, last, d, d_ok, stride_kcs, stride_vcs, BLOCK_N)
     q = _norm_rope_apply(qx, qxp, qw, qwp, freq, pos + 0 * g, eps, D, HALF, BLOCK_D)
     q = q.to(q_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
     k_new = tl.sum(_norm_rope_apply(kx, kxp, kw, kwp, freq, pos + one, eps, D, HALF, BLOCK_D), axis=0)

@@ -118,6 +118,13 @@ def _decode_kernel(
     # token's q|k|v, z, a, b from the input projection.
     q_old, q_shifted, q_w, q_w_new = _conv_load(conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
     k_old, k_shifted, k_w, k_w_new = _conv_load(conv_row, conv_w_ptr, k_ch, mk, KW, KP)
+    # This program is done reading the key head's q/k conv slots: it counts itself in before the wait too, so
+    # the counter's round trip (an acq_rel atomic, whose acquire holds back every later memory access) and the
+    # broadcast of its result overlap the input projection instead of following it (they sat between the
+    # wait's loads and the math).
+    tl.debug_barrier()  # every thread's q/k conv reads (lanes may be replicated) before the release
+    readers = readers_ptr + b * NK + hk
+    earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
     s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
     v_old, v_shifted, v_w, v_w_new = _conv_load(conv_row, conv_w_ptr, v_ch, mv, KW, KP)  # [BV, KP]..
     norm_w = tl.load(norm_w_ptr + iv, mask=mv, other=0.0)
@@ -128,9 +135,7 @@ def _decode_kernel(
     v_x = tl.load(x_row + v_ch, mask=mv, other=0.0).to(conv_dtype)  # [BV]
     z = tl.load(z_ptr + b * stride_z + h * DV + iv, mask=mv, other=0.0).to(tl.float32)  # [BV]
     g, beta = gates(a_ptr + b * stride_a + h, b_ptr + b * stride_b + h, A_log_ptr, dt_bias_ptr, h, h < NV)
-    tl.debug_barrier()  # every thread's conv reads (lanes may be replicated) before any write and the release
-    readers = readers_ptr + b * NK + hk
-    earlier = tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu")  # programs of this key head done reading
+    tl.debug_barrier()  # every thread's v conv reads before its write
     _conv_write(conv_row, v_ch, mv, v_shifted, v_x, KW, KP)  # v channels: this program is their only reader
 
     q = _l2norm(_conv_silu(q_old, q_x, q_w, q_w_new, dtype)) * scale  # [BK]

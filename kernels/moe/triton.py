@@ -226,7 +226,7 @@ def _packed_keys(logits_ptr, stride_e, E, BLOCK_E: tl.constexpr):
     and, among equal keys, the lower id; padding lanes lie below every real key. bf16 logits pack a 16-bit key
     (a bf16's fp32 bits end in 16 zeros: exact) and the id into an int32, others a 32-bit key into an int64: the
     M = 1 up kernel's max rounds over int32 cost half as much (35B step 2.092 -> 2.058 ms on the H200,
-    results/ab_decode_rank.json). One max per rank finds the value and the id at once (an argmax and a second
+    results/ab_decode_rank2.json). One max per rank finds the value and the id at once (an argmax and a second
     reduction for the value cost twice as long)."""
     offs_e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + offs_e * stride_e, mask=offs_e < E, other=0.0)
@@ -284,7 +284,7 @@ def _token_topk(logits_ptr, stride_e, E, TOP_K: tl.constexpr, BLOCK_TOP: tl.cons
 def _kth_expert(logits_ptr, stride_e, E, k, BLOCK_E: tl.constexpr):
     """The expert of rank k (0 = the largest logit) in _token_topk's order, after k + 1 max rounds instead of
     TOP_K: the M = 1 up kernel's programs of the first slots start streaming their experts sooner (35B step
-    2.058 -> 2.024 ms on the H200, results/ab_decode_rank.json)."""
+    2.058 -> 2.024 ms on the H200, results/ab_decode_rank2.json)."""
     packed = _packed_keys(logits_ptr, stride_e, E, BLOCK_E)
     for _ in range(k):
         packed = _take(packed, tl.max(packed, 0))
