@@ -8,7 +8,7 @@ the variant `current` (the checkout's kernels) always runs. Rounds alternate the
 a fresh capture timed by tune_decode_loop.replay_ms, so drift between rounds shows as spread, not as a difference.
 
     PYTHONPATH=. python experiments/ab_decode_step.py --variant base:moe=.ab/moe_base.py [--weights fp8]
-        [--rounds 3] [--replays 100] [--out results/ab_decode_step.json]
+        [--rounds 3] [--replays 100] [--cache-len 144] [--out results/ab_decode_step.json]
 """
 
 import argparse
@@ -18,7 +18,7 @@ import time
 
 import torch
 from benchlib import ceilings, write_json
-from tune_decode_loop import capture_step, decode_model, replay_ms
+from tune_decode_loop import PROMPT_POS, capture_step, decode_model, replay_ms
 
 
 def load_module(name: str, path: str):
@@ -64,11 +64,12 @@ def main():
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--cache-len", type=int, default=PROMPT_POS + 16, help="cache positions (run.py's: 4608)")
     parser.add_argument("--out", default="results/ab_decode_step.json")
     args = parser.parse_args()
     t0 = time.time()
     ceil = ceilings("cuda")
-    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"])
+    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"], args.cache_len)
     current = model.ops
     variants = {"current": {}, **dict(parse_variant(v) for v in args.variant)}
     times = {name: [] for name in variants}
@@ -82,6 +83,7 @@ def main():
         n: dict(step_ms=ts, median_ms=statistics.median(ts), spread_ms=max(ts) - min(ts)) for n, ts in times.items()
     }
     write_json(args.out, "ab_decode_step", "cuda", ceilings=ceil, floor_ms=floor_ms, weights=args.weights,
+               cache_len=args.cache_len,
                variants={n: {g: getattr(m, "__file__", None) for g, m in groups.items()} for n, groups in
                          variants.items()}, rows=rows, seconds=time.time() - t0)  # fmt: skip
     torch.cuda.synchronize()

@@ -161,13 +161,14 @@ def projection_weights(model) -> dict:
     return {what: tensors[name] for what, name in PROJECTIONS.items()}
 
 
-def decode_model(weights: str, copy_gbs: float) -> tuple:
-    """The 35B-A3B model (random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with caches for the
-    step at PROMPT_POS -> (model, the step's floor in ms: its active weight bytes at copy_gbs)."""
+def decode_model(weights: str, copy_gbs: float, cache_len: int = PROMPT_POS + 16) -> tuple:
+    """The 35B-A3B model (random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with caches of cache_len
+    positions for the step at PROMPT_POS -> (model, the step's floor in ms: its active weight bytes at copy_gbs).
+    The attention's split count follows the cache length: 3 at the default, 64 at run.py's 4608."""
     cfg = config("model=qwen35_moe", f"model.weights={weights}")
     model = get_model(cfg, validate(cfg), progress=False).model
     model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
-    model.setup_caches(1, PROMPT_POS + 16)
+    model.setup_caches(1, cache_len)
     fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
     return model, active_weight_bytes(model.config, model.dtype, fp8) / (copy_gbs * 1e9) * 1e3
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
     "script, kernels",
     [
         ("aot_sampling.py", 10),  # the sampler's launches (launch 3 in both forms) at B = 1 and 256
-        ("aot_decode_sass.py", 7),  # the 35B decode step's projections, MoE pair and attention at the H200 tables
+        ("aot_decode_sass.py", 8),  # the 35B decode step's projections, MoE pair, DeltaNet and attention (H200 tables)
     ],
 )
 def test_kernels_pass_tritons_front_end_for_the_gpu(script, kernels):
