@@ -7,11 +7,9 @@ group against one load of each K/V tile (GQA), reading only keys 0..pos of its r
 heads and the new key itself (a few hundred bytes, recomputed by each split). The split grid is sized from the
 static cache length (CUDA-graph safe); each split finds its own key range from the row's position. The program
 that owns `pos` writes the new K/V into the cache and takes key `pos` from registers, so no launch orders the
-write. Every split that holds keys then counts itself in on the (row, kv head) arrival counter; the last of them to
-arrive merges their partial outputs by log-sum-exp, multiplies by sigmoid(gate) and writes the output
-(`split_arrivals`, kernels/counters.py: the counters' invariants). A split past the row's position (a long cache
-at a short context: 64 splits, 2 or 3 of them with keys at 128 tokens) exits before its PDL wait, having loaded
-only the position.
+write. Every split (empty ones too) then counts itself in on the (row, kv head) arrival counter; the last one to
+arrive merges the splits' partial outputs by log-sum-exp, multiplies by sigmoid(gate) and writes the output
+(`split_arrivals`, kernels/counters.py: the counters' invariants).
 Prefill (T > 1) is two launches: q/k norm + RoPE that also writes k and v into the cache, then a causal flash-
 attention kernel per (query block, q head) whose key loop stops at the block's last position and whose epilogue
 applies the gate. (The torch path's masked GQA SDPA falls back to the math backend over all S cache slots;
@@ -146,45 +144,6 @@ def _kv_tile(k_row, v_row, n0, last, d, d_ok, stride_ks, stride_vs, BLOCK_N: tl.
     return k, v
 
 
-@triton.jit
-def _merge_splits(
-    o_part_ptr, lse_part_ptr, out_ptr, gate, b, kv_head, n_active,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-    REDUCE_G: tl.constexpr, REDUCE_S: tl.constexpr,
-):  # fmt: skip
-    """out rows of (row b, kv head)'s q heads = the first n_active splits' partial outputs merged by log-sum-exp,
-    times sigmoid(gate) [REDUCE_G, BLOCK_D]."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    rg = tl.arange(0, REDUCE_G)
-    heads = kv_head * G + rg
-    out_ok = (rg < G)[:, None] & d_ok[None, :]
-    s = tl.arange(0, REDUCE_S)
-    part = (b * HQ + heads) * NUM_SPLITS  # [REDUCE_G]
-    # One pass, rescaled as it goes (a flash-decoding merge): each step's log-sum-exps and partial outputs load
-    # together, so a merge of up to REDUCE_S splits is one L2 round trip (the max first, then the outputs, were two).
-    lse_max = tl.full([REDUCE_G], float("-inf"), tl.float32)
-    acc = tl.zeros([REDUCE_G, BLOCK_D], tl.float32)
-    weight_sum = tl.zeros([REDUCE_G], tl.float32)
-    for s0 in range(0, n_active, REDUCE_S):
-        ok = (rg < G)[:, None] & (s0 + s < n_active)[None, :]  # [REDUCE_G, REDUCE_S]
-        lse = tl.load(
-            lse_part_ptr + part[:, None] + s0 + s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
-        )
-        rows = (part[:, None] + s0 + s[None, :])[:, :, None] * D + d[None, None, :]  # [REDUCE_G, REDUCE_S, BLOCK_D]
-        o = tl.load(o_part_ptr + rows, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        new_max = tl.maximum(lse_max, tl.max(lse, axis=1))
-        new_max = tl.where(new_max > float("-inf"), new_max, 0.0)  # heads past G: no partials, no NaN
-        alpha = tl.exp2(lse_max - new_max)  # 0 at the first step
-        w = tl.exp2(lse - new_max[:, None])
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-        weight_sum = weight_sum * alpha + tl.sum(w, axis=1)
-        lse_max = new_max
-    out = acc / tl.where(rg < G, weight_sum, 1.0)[:, None] * tl.sigmoid(gate.to(tl.float32))
-    out_rows = out_ptr + (b * HQ + heads[:, None]) * D + d[None, :]  # out [B, 1, HQ * D]
-    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
 @fast_launch
 @triton.jit
 def _decode_kernel(
@@ -213,33 +172,31 @@ def _decode_kernel(
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, pos + 1)
     last = tl.minimum(end, pos)  # keys start .. last - 1 come from the cache (none in an empty split)
-    n_active = tl.cdiv(n_tiles, tiles_per_split)  # the splits that hold keys: split < n_active <=> start <= pos
     k_cache_row = k_cache_ptr + b * stride_kcb + kv_head * stride_kch
     v_cache_row = v_cache_ptr + b * stride_vcb + kv_head * stride_vch
     k_next, v_next = _kv_tile(k_cache_row, v_cache_row, start, last, d, d_ok, stride_kcs, stride_vcs, BLOCK_N)
-    if start <= pos:  # a split that holds keys (the others, a long cache at a short context, exit before the
-        # wait: their SMs free for the next kernel at once, and the merge waits only for the active splits)
-        wait_for_producers(PDL)
-        # Then every load of the projection's outputs at once: the new token's q, k, v and the gate (every active
-        # split loads them: a few KB); the q/k norm and RoPE math runs while the tile comes from HBM.
-        g = tl.arange(0, BLOCK_G)
-        q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
-        g_ok = g < G
-        q_rows = q_ptr + b * stride_qb + q_heads * stride_qh
-        qx, qxp, qw, qwp, freq = _norm_rope_inputs(q_rows, qw_ptr, inv_freq_ptr, g_ok, D, HALF, BLOCK_D)
-        one = tl.arange(0, 1)
-        k_row = k_ptr + b * stride_kb + kv_head * stride_kh + one
-        kx, kxp, kw, kwp, _ = _norm_rope_inputs(k_row, kw_ptr, inv_freq_ptr, one == 0, D, HALF, BLOCK_D)
-        v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        rg = tl.arange(0, REDUCE_G)
-        heads = kv_head * G + rg  # the same q heads as the merge's (and the gate's) rows
-        out_ok = (rg < G)[:, None] & d_ok[None, :]
-        gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :], mask=out_ok, other=0.0)
-        q = _norm_rope_apply(qx, qxp, qw, qwp, freq, pos + 0 * g, eps, D, HALF, BLOCK_D)
-        q = q.to(q_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
-        k_new = tl.sum(_norm_rope_apply(kx, kxp, kw, kwp, freq, pos + one, eps, D, HALF, BLOCK_D), axis=0)
-        k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
+    wait_for_producers(PDL)
+    # Then every load of the projection's outputs at once: the new token's q, k, v and the gate (every split
+    # loads them, empty ones too: a few KB); the q/k norm and RoPE math runs while the tile comes from HBM.
+    g = tl.arange(0, BLOCK_G)
+    q_heads = kv_head * G + g  # GQA: q head i reads kv head i // G
+    g_ok = g < G
+    q_rows = q_ptr + b * stride_qb + q_heads * stride_qh
+    qx, qxp, qw, qwp, freq = _norm_rope_inputs(q_rows, qw_ptr, inv_freq_ptr, g_ok, D, HALF, BLOCK_D)
+    one = tl.arange(0, 1)
+    k_row = k_ptr + b * stride_kb + kv_head * stride_kh + one
+    kx, kxp, kw, kwp, _ = _norm_rope_inputs(k_row, kw_ptr, inv_freq_ptr, one == 0, D, HALF, BLOCK_D)
+    v_new = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + d, mask=d_ok, other=0.0)
+    v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+    rg = tl.arange(0, REDUCE_G)
+    heads = kv_head * G + rg  # the same q heads as the merge's (and the gate's) rows
+    out_ok = (rg < G)[:, None] & d_ok[None, :]
+    gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :], mask=out_ok, other=0.0)
+    q = _norm_rope_apply(qx, qxp, qw, qwp, freq, pos + 0 * g, eps, D, HALF, BLOCK_D)
+    q = q.to(q_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
+    k_new = tl.sum(_norm_rope_apply(kx, kxp, kw, kwp, freq, pos + one, eps, D, HALF, BLOCK_D), axis=0)
+    k_new = k_new.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
+    if start <= pos:  # splits past the row's context compute nothing (the merge skips them) but still arrive
         if end == pos + 1:  # this split owns key `pos`: write the new K/V into the cache
             tl.store(k_cache_row + pos * stride_kcs + d, k_new, mask=d_ok)
             tl.store(v_cache_row + pos * stride_vcs + d, v_new, mask=d_ok)
@@ -269,16 +226,40 @@ def _decode_kernel(
         tl.store(o_part_ptr + part[:, None] * D + d[None, :], acc / l[:, None], mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_part_ptr + part, m + tl.log2(l), mask=g_ok)
 
-        # The last active split of (row, kv head) to arrive merges all of them: every thread's partial stores come
-        # before the release, and every read of the others' partials after the acquire (made by one thread)
-        tl.debug_barrier()
-        arrivals = arrivals_ptr + b * HKV + kv_head
-        earlier = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if earlier == n_active - 1:
-            _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, gate, b, kv_head, n_active, HQ, G, D, NUM_SPLITS,
-                          BLOCK_D, REDUCE_G, REDUCE_S)  # fmt: skip
-            tl.store(arrivals, 0)
+    # The last split of (row, kv head) to arrive merges all of them: every thread's partial stores come before
+    # the release, and every read of the others' partials after the acquire (made by one thread)
+    tl.debug_barrier()
+    arrivals = arrivals_ptr + b * HKV + kv_head
+    earlier = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if earlier == NUM_SPLITS - 1:
+        n_active = tl.cdiv(n_tiles, tiles_per_split)  # the splits that wrote a partial
+        s = tl.arange(0, REDUCE_S)
+        part = (b * HQ + heads) * NUM_SPLITS  # [REDUCE_G]
+        # One pass, rescaled as it goes (a flash-decoding merge): each step's log-sum-exps and partial outputs
+        # load together, so a merge of up to REDUCE_S splits is one L2 round trip (the max first, then the
+        # outputs, were two).
+        lse_max = tl.full([REDUCE_G], float("-inf"), tl.float32)
+        acc = tl.zeros([REDUCE_G, BLOCK_D], tl.float32)
+        weight_sum = tl.zeros([REDUCE_G], tl.float32)
+        for s0 in range(0, n_active, REDUCE_S):
+            ok = (rg < G)[:, None] & (s0 + s < n_active)[None, :]  # [REDUCE_G, REDUCE_S]
+            lse = tl.load(
+                lse_part_ptr + part[:, None] + s0 + s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            rows = (part[:, None] + s0 + s[None, :])[:, :, None] * D + d[None, None, :]  # [REDUCE_G, REDUCE_S, BLOCK_D]
+            o = tl.load(o_part_ptr + rows, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            new_max = tl.maximum(lse_max, tl.max(lse, axis=1))
+            new_max = tl.where(new_max > float("-inf"), new_max, 0.0)  # heads past G: no partials, no NaN
+            alpha = tl.exp2(lse_max - new_max)  # 0 at the first step
+            w = tl.exp2(lse - new_max[:, None])
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+            weight_sum = weight_sum * alpha + tl.sum(w, axis=1)
+            lse_max = new_max
+        out = acc / tl.where(rg < G, weight_sum, 1.0)[:, None] * tl.sigmoid(gate.to(tl.float32))
+        out_rows = out_ptr + (b * HQ + heads[:, None]) * D + d[None, :]  # out [B, 1, HQ * D]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(arrivals, 0)
 
 
 @fast_launch

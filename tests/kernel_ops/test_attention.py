@@ -73,7 +73,7 @@ def check_decode(B, HQ, HKV, D, R, S, positions, splits, dtype, device, options=
 @pytest.mark.parametrize(
     "context, splits",
     [
-        (1, 4),  # one key: one active split merges itself; three empty ones exit without arriving
+        (1, 4),  # one key: one active split, three empty ones that still arrive
         (64, 1),  # exactly one tile, no split-K: the only split merges itself
         (65, 4),  # one key into the second tile
         (500, 4),  # two tiles per split, the last split partial
