@@ -67,10 +67,12 @@ GEMV_CANDIDATES = {
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): at 8 x 512 the up kernel takes 130 registers (sm_90), 3
 # programs per SM, so its 512 programs run in two waves; capped at 128 they fit one (in the step: within noise,
 # results/tune_decode_loop_capped.json)
+# (with each program ranking only up to its slot, _kth_expert, the capped 8-row tiles again at other steps)
 MOE_UP_CANDIDATES = [(4, 1024, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2), (16, 512, 8, 2), (2, 2048, 4, 1),
-                     (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 512, 4, 1, 128)]  # fmt: skip
+                     (8, 2048, 8, 1), (4, 512, 4, 2), (8, 512, 4, 2, 128), (8, 512, 4, 1, 128), (8, 1024, 4, 1, 128),
+                     (8, 256, 4, 3, 128), (16, 256, 4, 2, 128)]  # fmt: skip
 MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 8, 2), (2, 256, 4, 3),
-                       (1, 512, 4, 2)]  # fmt: skip
+                       (1, 512, 4, 2), (4, 128, 4, 4), (4, 256, 4, 2)]  # fmt: skip
 # FP8 weights (--weights fp8): a column is one byte, so the steps are wider for the same bytes per program
 # the persistent ones: the table's FP8 DeltaNet and attention in-projections (8 x 1024, 4 x 2048) run their 1,544
 # and 2,304 programs in 2 and 3 waves at 7 per SM; persistent at 1 x 2048 on 8 per SM (64 registers), one wave
@@ -82,7 +84,7 @@ FP8_GEMV_CANDIDATES = {
            (1, 4096, 4, 1, 4), (2, 4096, 4, 1, 3)],
 }  # fmt: skip
 FP8_MOE_UP_CANDIDATES = [(8, 1024, 4, 2), (4, 2048, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 2), (4, 1024, 4, 2),
-                         (16, 512, 8, 2)]  # fmt: skip
+                         (16, 512, 8, 2), (8, 1024, 4, 2, 128), (8, 2048, 4, 1, 128)]  # fmt: skip
 FP8_MOE_DOWN_CANDIDATES = [(4, 512, 4, 2), (8, 512, 4, 2), (2, 512, 4, 2), (8, 256, 4, 3), (4, 256, 4, 3)]
 # the mixers' DECODE_OPTIONS: attention's split count (num_splits() gives 3 at this cache) and warps, DeltaNet's value
 # splits per head and warps; {} is the launcher's own choice
