@@ -168,7 +168,11 @@ def test_fp8_35b_dims_greedy_identical_across_runtimes():
         model = build_model(cfg, torch.bfloat16, "cuda", seed=0, fp8=fp8)
         held = torch.cuda.memory_allocated() - before  # each block rounded up to 512 bytes by the allocator
     held -= sum(pad for _, pad in fused_padding(model))  # the fused buffers' row padding
-    assert 0 <= held - weight_nbytes(cfg, torch.bfloat16, fp8) <= 512 * len(list(model.parameters()))
+    # The allocator hands out a cached block whole when splitting it would leave <= 1 MiB: up to ~1 MiB over the
+    # request, depending on what the process freed before (953,728 B over in a GPU run at 54cf519, 0 in others).
+    # A copy of any weight left behind (the smallest fp8 expert tensor is MBs) still fails.
+    slack = 512 * len(list(model.parameters())) + 2**21
+    assert 0 <= held - weight_nbytes(cfg, torch.bfloat16, fp8) <= slack
     prompts = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).tolist()
 
     model.setup_caches(1, 64)

@@ -1,8 +1,8 @@
 """Fused sampling in Triton: logits [B, V] -> token ids int64 [B], no sort of the vocabulary, no pass over a row in
 a single program.
 
-`greedy` (every row at temperature 0, chosen by the caller from its run config) is two launches: a chunked
-argmax then the combine of the chunks (`_chunk_argmax_kernel`, `_combine_argmax_kernel`). `sample`:
+`greedy` (every row at temperature 0, chosen by the caller from its run config) is one launch: a chunked argmax
+whose last chunk of a row to arrive combines the row's chunks (`_greedy_kernel`). `sample`:
 
 Same semantics as `naive.py` (read its docstring). Each row is cut into `split` chunks, one program per
 (row, chunk) in every launch but 2a, so each pass over a row is spread over many programs; a launch that a row does
@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.counters import ArrivalCounters
 from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.sampling.naive import INVALID_TOKEN
@@ -1515,11 +1516,17 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
     return out
 
 
+# one counter per row: the row's last chunk to arrive combines the row's chunks (invariants: ArrivalCounters)
+greedy_arrivals = ArrivalCounters()
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
-def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, split, chunk_blocks,
-                         BLOCK: tl.constexpr):  # fmt: skip
-    """Greedy pass 1, program (chunk, row): the chunk's max (NaN if it holds a NaN) and its lowest index."""
+def _greedy_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, arrivals_ptr, out_ptr, split, chunk_blocks,
+                   BLOCK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Greedy, program (chunk, row): the chunk's max (NaN if it holds a NaN) and its lowest index; the row's last
+    chunk to arrive combines the row's chunks -> the lowest index of the row max, INVALID for a row with a NaN or
+    only -inf. (A second launch combined them: 3.2 us of the H200 decode step, profile_decode_loop.)"""
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -1536,26 +1543,22 @@ def _chunk_argmax_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_pt
         best = tl.where(up, x, best)
     m = tl.max(best, 0)
     idx = tl.min(tl.where(best == m, best_idx, V), 0)
-    part = row * split + chunk
-    tl.store(part_max_ptr + part, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m))
-    tl.store(part_idx_ptr + part, idx)
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["B", "split"])
-def _combine_argmax_kernel(part_max_ptr, part_idx_ptr, out_ptr, B, split, R: tl.constexpr, SPLIT: tl.constexpr):
-    """Greedy pass 2: the chunks' maxima of R rows -> the lowest index of the row max, INVALID for a row with a
-    NaN or only -inf."""
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    sp = tl.arange(0, SPLIT)
-    pm = (rows < B)[:, None] & (sp < split)[None, :]
-    parts = rows[:, None] * split + sp[None, :]  # [R, SPLIT]
-    ms = tl.load(part_max_ptr + parts, mask=pm, other=float("-inf"))
-    has_nan = tl.max((ms != ms).to(tl.int32), 1) > 0
-    m = tl.max(tl.where(ms != ms, float("-inf"), ms), 1)
-    idx = tl.min(tl.where(ms == m[:, None], tl.load(part_idx_ptr + parts, mask=pm, other=2**31 - 1), 2**31 - 1), 1)
-    token = tl.where(has_nan | (m == float("-inf")), INVALID, idx.to(tl.int64))
-    tl.store(out_ptr + rows, token, mask=rows < B)
+    parts = row * split
+    tl.store(part_max_ptr + parts + chunk, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m))
+    tl.store(part_idx_ptr + parts + chunk, idx)
+    # every thread's stores before the release, every read of the others' partials after the acquire
+    tl.debug_barrier()
+    arrivals = arrivals_ptr + row
+    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == split - 1:
+        sp = tl.arange(0, SPLIT)
+        pm = sp < split
+        ms = tl.load(part_max_ptr + parts + sp, mask=pm, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(part_idx_ptr + parts + sp, mask=pm, other=2**31 - 1, cache_modifier=".cg")
+        has_nan = tl.max((ms != ms).to(tl.int32), 0) > 0
+        m = tl.max(tl.where(ms != ms, float("-inf"), ms), 0)
+        idx = tl.min(tl.where(ms == m, idxs, 2**31 - 1), 0)
+        tl.store(out_ptr + row, tl.where(has_nan | (m == float("-inf")), INVALID, idx.to(tl.int64)))
+        tl.store(arrivals, 0)
 
 
 def launch_greedy(
@@ -1565,11 +1568,11 @@ def launch_greedy(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in two launches -> int64 [B]
+    """Argmax per row (lowest index on ties, INVALID_TOKEN for NaN / all -inf rows) in one launch -> int64 [B]
     (into `out` when given: an exported method's planned buffer).
 
     The row is cut into `split` chunks (~8192 programs in all on the GPU: B = 1 spreads over every SM, and at
-    large B the last wave leaves few SMs idle); the second launch reduces <= GREEDY_SPLIT_MAX partials per row.
+    large B the last wave leaves few SMs idle); a row's last chunk combines <= GREEDY_SPLIT_MAX partials.
     block / split / num_warps are tuning knobs."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
@@ -1584,20 +1587,10 @@ def launch_greedy(
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks
     part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(split, B)](
-        logits, logits.stride(0), B, V, part_max, part_idx, split, chunk_blocks, BLOCK=block, num_warps=num_warps
-    )
-    rows = 16 if logits.is_cuda else min(next_power_of_2(B), 64)
-    _combine_argmax_kernel[(cdiv(B, rows),)](
-        part_max,
-        part_idx,
-        out,
-        B,
-        split,
-        R=rows,
-        SPLIT=next_power_of_2(split),
-        num_warps=4 if logits.is_cuda else 1,
-    )
+    _greedy_kernel[(split, B)](
+        logits, logits.stride(0), B, V, part_max, part_idx, greedy_arrivals(B, logits.device), out, split,
+        chunk_blocks, BLOCK=block, SPLIT=next_power_of_2(split), num_warps=num_warps,
+    )  # fmt: skip
     return out
 
 
@@ -1619,7 +1612,7 @@ def greedy_out(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """sample() when every row has temperature <= 0, in two launches: logits [B, V] -> int64 [B].
+    """sample() when every row has temperature <= 0, in one launch: logits [B, V] -> int64 [B].
 
     The caller chooses it from its run config (the parameters are device tensors: the kernel cannot know that
     all rows are greedy without a host sync); `sample` stays right for any mix of greedy and sampled rows."""

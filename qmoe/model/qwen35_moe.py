@@ -356,7 +356,7 @@ class Qwen35MoE(nn.Module):
     def set_kernels(self, choice: dict, greedy: bool = False) -> None:
         """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are.
         greedy: the run samples every row at temperature 0 (its config says so), so `sample` is the sampler's
-        argmax entry point (two launches) instead of its general path; exported methods bake the choice in, and
+        argmax entry point (one launch) instead of its general path; exported methods bake the choice in, and
         the sampling module's name carries it (it keys the export cache and the saved artifact's manifest)."""
         for group, impl in choice.items():
             self.ops[group] = kernels.resolve(group, impl)

@@ -207,6 +207,7 @@ def test_greedy_entry_point_special_rows(split):
     logits[3, 2] = float("nan")  # NaN beats +inf: still invalid
     logits[4, : V - 1] = float("-inf")  # only the last token is finite
     out = fused.launch_greedy(logits, block=8, split=split)
+    assert not fused.greedy_arrivals(6, logits.device).any()  # each row's last chunk reset its counter
     assert torch.equal(out, naive.greedy(logits))
     assert out.tolist()[:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 9, naive.INVALID_TOKEN, V - 1]
 
