@@ -109,13 +109,13 @@ def _decode_kernel(
     q_ch, k_ch, v_ch = hk * DK + ik, (NK + hk) * DK + ik, 2 * NK * DK + h * DV + iv
 
     s_ptrs = state_ptr + ((b * NV + h) * DK + ik[:, None]) * DV + iv[None, :]
-    # Every load of the step is issued before any math that waits on one (one DRAM round trip). The state
-    # tile, the long wait, goes between the q/k and v conv loads: first, Triton 3.9 moved it to the conv tiles'
-    # layout (32 KiB of shared memory); after the v conv math, a layout conversion's barrier waited on the
-    # conv loads before it was issued (sm_90 TTGIR/PTX).
-    # Before the PDL wait: the states (written by this kernel in the previous decode step, which a non-PDL
-    # launch -- the next forward's embedding -- separates from this one) and the weights. After it: the new
-    # token's q|k|v, z, a, b from the input projection.
+    # No load waits on math. Before the PDL wait: the q/k conv slots, the reader arrival (its acquire holds the
+    # loads after it back one round trip, all of it before the wait), then the state tile, the long wait, between
+    # the q/k and v conv loads (first, Triton 3.9 moved it to the conv tiles' layout: 32 KiB of shared memory;
+    # after the v conv math, a layout conversion's barrier waited on the conv loads before it was issued: sm_90
+    # TTGIR/PTX), and the weights. The states were written by this kernel in the previous decode step, which a
+    # non-PDL launch -- the next forward's embedding -- separates from this one. After the wait: the new token's
+    # q|k|v, z, a, b from the input projection.
     q_old, q_shifted, q_w, q_w_new = _conv_load(conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
     k_old, k_shifted, k_w, k_w_new = _conv_load(conv_row, conv_w_ptr, k_ch, mk, KW, KP)
     # This program is done reading the key head's q/k conv slots: it counts itself in before the wait too, so
