@@ -8,8 +8,9 @@ this call, so each selected expert's weight tile is streamed once.
 Decode (M <= decode_max_m: 16 tokens for dense experts, 64 for fp8 ones): two launches, no host sync, no float
 atomics.
   M = 1 (and any M where the table says so): GEMV-style kernels (BLOCK_M == 1 in the config):
-        up program (N tile, pair t * K + k) ranks token t's logits and streams its k-th expert's gate and up rows;
-        down program (N tile, t) loops over token t's K experts and the shared expert in fixed order, summing in
+        up program (N tile, pair t * K + k) ranks token t's logits as far as rank k (k + 1 max rounds) and streams
+        its k-th expert's gate and up rows; program (0, t * K + K - 1) hands token t's routing to the down kernel;
+        down program (N tile, t) takes the shared expert, then token t's K experts in fixed order, summing in
         registers (no partials, counters or atomics).
   up:   program (N tile, expert e) ranks e in every token's logits (one compare pass, no top-k) to find the pairs
         routed to e and computes h[pair] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for all of them; an expert
@@ -22,7 +23,8 @@ atomics.
         counter (acq_rel); the last of the P + 1 arrivals sums the tile for every token in k order. Fixed order
         -> bit-reproducible whatever order the programs ran in.
   Routing order everywhere: descending logit (softmax is monotonic), ties to the lower expert id, as one int32
-  key (_order_key), so the up kernel's ranks, its top-k and the ids it hands over always agree.
+  key (_order_key; packed with the id into an int32 for bf16 logits, an int64 otherwise: _packed_keys), so the
+  up kernel's ranks, its top-k and the ids it hands over always agree.
 Prefill: route kernel -> pairs counted, padded to BLOCK_M per expert and scattered into expert-contiguous blocks
   on device, in pair order inside each group (three tiny kernels; integer atomics only sum the counts) -> grouped
   up and down GEMMs writing [P, H] partials; the shared expert's down projection on cuBLAS; one combine kernel
