@@ -9,7 +9,8 @@ the replay's span. Per kernel kind (the projection shape, mixer, MoE launch) the
 increments, the durations, the overlap with the producer (start minus the producer's end, negative under PDL), the
 bytes its weights and states must move and the bandwidth of those bytes over the increments.
 
-    PYTHONPATH=.:experiments python experiments/profile_decode_loop.py [--out results/profile_decode_loop.json]
+    PYTHONPATH=.:experiments python experiments/profile_decode_loop.py [--weights fp8]
+        [--out results/profile_decode_loop.json]
 """
 
 import argparse
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 from benchlib import ceilings, write_json
-from tune_decode_loop import PROMPT_POS, capture_step, decode_model, projection_weights, replay_ms
+from tune_decode_loop import PROJECTIONS, PROMPT_POS, capture_step, decode_model, projection_weights, replay_ms
 
+from kernels.fp8 import FP8
 from kernels.linear import triton as linear_triton
 
 KIND_NAMES = {  # tune_decode_loop.PROJECTIONS -> the kind this table names
@@ -39,23 +41,41 @@ KIND_NAMES = {  # tune_decode_loop.PROJECTIONS -> the kind this table names
 GEMV_KERNELS = ("_linear_kernel", "_gemv_persistent_kernel")
 
 
+def nbytes_with_scale(model, name: str) -> int:
+    """Bytes of parameter or buffer `name` and, for an FP8 one, of its `<name>_scale` beside it."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return sum(t.nbytes for t in (tensors[name], tensors.get(name + "_scale")) if t is not None)
+
+
 def projection_kinds(model) -> dict:
-    """(GEMV kernel, grid size) -> {kind: weight bytes} for the step's projection shapes. Two shapes can share a
-    launch (the DeltaNet and attention in-projections on the persistent GEMV's grid of programs per SM)."""
+    """(GEMV kernel, grid size) -> {kind: weight bytes, scales included} for the step's projection shapes. Two
+    shapes can share a launch (the DeltaNet and attention in-projections on the persistent GEMV's grid of programs
+    per SM)."""
     kinds = defaultdict(dict)
     for what, weight in projection_weights(model).items():
         N, K = weight.shape
-        grid, _, _, meta = linear_triton.cached_plan(1, N, K, model.dtype, model.device)
+        dtype = FP8 if weight.dtype == FP8 else model.dtype  # cached_plan's key: x's dtype, or FP8 for fp8 weights
+        grid, _, _, meta = linear_triton.cached_plan(1, N, K, dtype, model.device)
         kernel = GEMV_KERNELS[1] if meta.get("PERSISTENT") else GEMV_KERNELS[0]
-        kinds[(kernel, grid[0])][KIND_NAMES[what]] = weight.numel() * weight.element_size()
+        kinds[(kernel, grid[0])][KIND_NAMES[what]] = nbytes_with_scale(model, PROJECTIONS[what])
     return kinds
 
 
-def kind_of(event: dict, previous: str, attention_layer: bool, projections: dict, model) -> tuple[str, int]:
+def moe_kernel_bytes(model) -> dict:
+    """{"up": bytes, "down": bytes} one token's MoE launches read (layer 0's weights and scales): the top-k experts'
+    gate and up rows; their down rows and the shared expert's down projection (its gate and up are moe_in's)."""
+    c, mlp = model.config, "layers.0.mlp."
+    routed = c.num_experts_per_tok / c.num_experts
+    up = nbytes_with_scale(model, mlp + "experts.gate_up_proj") * routed
+    down = nbytes_with_scale(model, mlp + "experts.down_proj") * routed
+    return {"up": up, "down": down + nbytes_with_scale(model, mlp + "shared_expert.down_proj.weight")}
+
+
+def kind_of(event: dict, previous: str, attention_layer: bool, projections: dict, moe: dict, c) -> tuple[str, int]:
     """A kernel event -> (kind, bytes its weights / states must move from HBM; 0 where latency, not bytes, rules).
-    attention_layer: the event's layer has full attention (names a GEMV that two shapes share)."""
+    attention_layer: the event's layer has full attention (names a GEMV that two shapes share); projections,
+    moe: projection_kinds' and moe_kernel_bytes' tables; c: the model's config."""
     name, grid = event["name"], tuple(event["args"].get("grid", (0, 0, 0)))
-    c, item = model.config, model.dtype.itemsize
     kernel = next((k for k in GEMV_KERNELS if name.startswith(k)), None)
     if kernel and (kernel, grid[0]) in projections:
         kinds = projections[(kernel, grid[0])]
@@ -67,11 +87,9 @@ def kind_of(event: dict, previous: str, attention_layer: bool, projections: dict
             kind = "o_proj (after attention)" if previous.startswith("attention") else "out_proj (after DeltaNet)"
         return kind, nbytes
     if name.startswith("_moe_up_gemv_kernel"):
-        rows = c.num_experts_per_tok * 2 * c.moe_intermediate_size
-        return "moe up (routing + 8 experts' gate, up)", rows * c.hidden_size * item
+        return "moe up (routing + 8 experts' gate, up)", moe["up"]
     if name.startswith("_moe_down_gemv_kernel"):
-        rows = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
-        return "moe down (8 experts + shared, combine)", rows * c.hidden_size * item
+        return "moe down (8 experts + shared, combine)", moe["down"]
     if name.startswith("_decode_kernel"):  # attention's grid is (B, kv heads, splits), DeltaNet's (B, v heads, splits)
         if grid[1] == c.num_key_value_heads:
             return "attention decode", 0
@@ -92,17 +110,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/profile_decode_loop.json")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help="fp8: model.weights=fp8")
     args = parser.parse_args()
     t0 = time.time()
     ceil = ceilings("cuda")
-    model, floor_ms = decode_model("auto", ceil["copy_gbs"])
+    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"])
     runs = {}
     for pdl_on in (True, False):  # PDL off: each kernel runs alone, its duration is all it costs
         os.environ["QMOE_PDL"] = "1" if pdl_on else "0"
         runs["pdl" if pdl_on else "pdl_off"] = timeline(model, args.replays, ceil)
     os.environ.pop("QMOE_PDL")
     write_json(
-        args.out, "profile_decode_loop", "cuda", ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, **runs,
+        args.out, "profile_decode_loop", "cuda", weights=args.weights, ceilings=ceil, floor_ms=floor_ms,
+        position=PROMPT_POS, **runs,
         seconds=time.time() - t0,
     )  # fmt: skip
     off = {r["kind"]: r for r in runs["pdl_off"]["kinds"]}
@@ -136,7 +156,7 @@ def timeline(model, replays: int, ceil: dict) -> dict:
     kernels = kernel_events(prof)
     timed = [kernels[i : i + per_replay] for i in range(0, len(kernels) - per_replay + 1, per_replay)]
     timed = timed[2:]  # the first replays warm the profiler
-    projections = projection_kinds(model)
+    projections, moe = projection_kinds(model), moe_kernel_bytes(model)
     spans, per_kind, one_replay = [], defaultdict(lambda: defaultdict(list)), []
     attention = [t == "full_attention" for t in model.config.layer_types] + [False]  # past the last: lm_head
     for kernels in timed:
@@ -144,7 +164,7 @@ def timeline(model, replays: int, ceil: dict) -> dict:
         latest_end, previous, layer = start0, "", 0
         for e in kernels:
             end = e["ts"] + e["dur"]
-            kind, nbytes = kind_of(e, previous, attention[layer], projections, model)
+            kind, nbytes = kind_of(e, previous, attention[layer], projections, moe, model.config)
             layer += kind.startswith("moe down")  # a layer ends with its MoE down kernel
             if kernels is timed[len(timed) // 2]:  # one replay kernel by kernel, times from its first start
                 grid = e["args"].get("grid")
