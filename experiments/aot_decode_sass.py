@@ -92,8 +92,8 @@ def kernels_35b() -> dict:
         kernel = linear._gemv_persistent_kernel if meta.pop("PERSISTENT", False) else linear._linear_kernel
         meta = {k: v for k, v in meta.items() if k in aot_sm90.fn_of(kernel).arg_names}
         rows[f"{what} (N {N}, K {K}{', + add, RMSNorm' if norm else ''})"] = (
-            kernel, {**meta, "NORM": norm, "PDL": True}, {"xs_ptr": "*fp32"}, proj_warps, proj_stages, proj_cap,
-            programs,
+            kernel, {**meta, "NORM": norm, "PDL": True, "ROUND_X": False}, {"xs_ptr": "*fp32"}, proj_warps,
+            proj_stages, proj_cap, programs,
         )  # fmt: skip
     return rows | {
         "moe up (routing + expert gate/up GEMV)": (

@@ -37,8 +37,9 @@ def main():
     # _linear_kernel's arguments in order, as linear_into passes them (no scales, no norm, no fp8 x)
     launch_args = (h, w, out, w, 1, 2048, 4096, h.stride(0), w.stride(0), 0, k_per_split, split,
                    h, h, h, h, h.stride(0), 0.0, w, 0)  # fmt: skip
-    assert len(launch_args) == len([n for n in linear_triton._linear_kernel.arg_names if n not in meta]) - 2
-    compiled = linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+    flags = dict(NORM=False, PDL=on, ROUND_X=False)  # the constexprs that are not in the plan's meta
+    assert len(launch_args) == len([n for n in linear_triton._linear_kernel.arg_names if n not in meta]) - len(flags)
+    compiled = linear_triton._linear_kernel[grid](*launch_args, **flags, launch_pdl=on, **meta)
     rows = {
         "linear (the op, eager)": per_call_us(lambda: linear_triton.linear(h, w)),
         "linear_into (preallocated out)": per_call_us(lambda: linear_triton.linear_into(h, w, out)),
@@ -46,7 +47,7 @@ def main():
         "pdl(x) switch": per_call_us(lambda: pdl(h)),
         "torch.empty(1, 2048)": per_call_us(lambda: torch.empty((1, 2048), dtype=dt, device=dev)),
         "kernel[grid](...) launch": per_call_us(
-            lambda: linear_triton._linear_kernel[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+            lambda: linear_triton._linear_kernel[grid](*launch_args, **flags, launch_pdl=on, **meta)
         ),
     }
     triton_launch = getattr(linear_triton._linear_kernel, "fn", None)  # kernels/launch.py: Triton's own launch

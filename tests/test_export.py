@@ -482,6 +482,26 @@ def test_outputs_in_place(dtype, tail, in_place):
     torch.testing.assert_close(result, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
 
 
+def test_logits_are_written_in_place():
+    """The Triton lm_head's logits op (fp32 out of a bf16/fp16 GEMV, no cast node) has an out-variant: a method
+    whose output is the logits computes them into the planned buffer, no copy."""
+    from kernels.linear import triton as linear
+    from qmoe.export.program import outputs_in_place
+
+    class Head(torch.nn.Module):
+        def forward(self, x, w):
+            return linear.logits(x, w)
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 1, 32, generator=gen, dtype=torch.float16), torch.randn(40, 32, generator=gen).half()
+    gm, written = outputs_in_place(torch.export.export(Head(), (x, w)).graph_module, [0])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [linear.logits_out]
+    out = torch.full((1, 1, 40), float("nan"))
+    (logits,) = gm(x, w, out)
+    assert written == [True] and logits.data_ptr() == out.data_ptr()
+    assert torch.equal(out, linear.linear(x, w).float())
+
+
 def test_greedy_token_is_written_in_place():
     """The Triton greedy sampler's op has an out-variant: a method's token lands in its planned buffer, no copy."""
     from kernels.sampling import triton as sampling

@@ -21,6 +21,11 @@ def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) 
     return torch.matmul(x, weight.t(), out=out)
 
 
+def logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits: linear(x, weight[, scale]) in x's dtype, then fp32 [..., N]."""
+    return linear(x, weight, scale).float()
+
+
 def add_rms_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor,

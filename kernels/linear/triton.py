@@ -60,7 +60,7 @@ from kernels.norm import triton as norm_triton
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.tuned import load_table
 
-__all__ = ["linear", "linear_out", "add_rms_norm_linear"]
+__all__ = ["linear", "linear_out", "logits", "logits_out", "add_rms_norm_linear"]
 
 MAX_M = 64  # rows up to which the Triton kernel runs; F.linear (cuBLAS) above
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -364,7 +364,7 @@ def _linear_kernel(
     res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps, xs_ptr, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, SCALED: tl.constexpr, X_FP8: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    SUB_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    SUB_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ROUND_X: tl.constexpr,
 ):  # fmt: skip
     """out = x @ w^T; with NORM (GEMV path only), x is first replaced by rms_norm(x + residual) * (1 + nw) (the
     add + RMSNorm before a projection, fused into its prologue: each program computes its row's rstd, the programs
@@ -372,7 +372,9 @@ def _linear_kernel(
     SCALED: w is fp8 with s [N, ceil(K / 128)] fp32 (s_ptr is unused otherwise): the GEMV runs _scaled_gemv; on
     the dot path BLOCK_K <= 128 divides 128, so step k is in scale block k // 128. X_FP8 (dot path, with
     SCALED, BLOCK_K = 128): x is fp8 too (kernels/fp8.quantize_activations' q) with its scales at xs [M, Kb]
-    (row stride stride_xsm), and each step is an fp8 x fp8 tl.dot scaled by x's row scales and w's."""
+    (row stride stride_xsm), and each step is an fp8 x fp8 tl.dot scaled by x's row scales and w's.
+    ROUND_X (not with PARTIAL or X_FP8): the result is rounded to x's dtype, then stored in out's (fp32 logits
+    equal to linear(x, w).float(), without the cast's launch)."""
     allow_dependents(PDL)
     # The M tiles of one weight tile are neighbours in launch order, so its re-reads (BLOCK_M < M) hit L2.
     pid = tl.program_id(0)
@@ -476,6 +478,7 @@ def _linear_kernel(
     if PARTIAL:  # fp32 partial of this split: workspace [SPLIT, M, N]
         tl.store(out_ptr + split * M * N + offs_out, out, mask=mask)
     else:
+        out = out.to(x_ptr.dtype.element_ty) if ROUND_X else out
         tl.store(out_ptr + offs_out, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -519,7 +522,7 @@ def _row_block_dot(w, scale, x, SCALED: tl.constexpr, SUB_K: tl.constexpr):
 def _gemv_persistent_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, N, K, stride_wn, stride_sn, res_ptr, nw_ptr, normed_ptr, hidden_ptr, stride_rm, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
-    SUB_K: tl.constexpr, PDL: tl.constexpr,
+    SUB_K: tl.constexpr, PDL: tl.constexpr, ROUND_X: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [1, K] @ w^T, M = 1, by a few programs per SM: program p computes row blocks p, p + P, p + 2P, ...
     (P programs), each one [BLOCK_N, BLOCK_K >= K] tile. x (with NORM: rms_norm(x + residual) * (1 + nw), written
@@ -528,7 +531,7 @@ def _gemv_persistent_kernel(
     are in flight while the program waits for its producer and reads x. (The one-block-per-program kernel reads
     and normalises x in every program, BLOCK_N rows at a time, and issues its second K step after the first
     one's products.) SCALED: fp8 weights, each block's scales [BLOCK_N, BLOCK_K / SUB_K] loaded with its rows and
-    applied per 128-column sub-step, as in _scaled_step."""
+    applied per 128-column sub-step, as in _scaled_step. ROUND_X: as in _linear_kernel."""
     allow_dependents(PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -554,6 +557,7 @@ def _gemv_persistent_kernel(
                                           K, BLOCK_N, EVEN_K, SCALED, SUB_K)  # fmt: skip
         out = _row_block_dot(w, scale, x, SCALED, SUB_K)  # [BLOCK_N]
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = out.to(x_ptr.dtype.element_ty) if ROUND_X else out
         tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
         w, scale = w_next, scale_next
         w_next, scale_next = w_after, scale_after
@@ -596,7 +600,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 
 def linear_into(
-    x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None, x_scale=None
+    x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None, x_scale=None, round_x=False
 ) -> torch.Tensor:
     """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
@@ -607,7 +611,8 @@ def linear_into(
     x_scale its fp32 [M, ceil(K / 128)] scales (rows contiguous).
     norm = (residual [M, K], norm_weight [K], eps, normed [M, K], hidden [M, K]), GEMV configs (BLOCK_M = 1) only:
     x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
-    to hidden."""
+    to hidden. round_x: the result is rounded to x's dtype before it is stored in out's (fp32 logits; not with
+    split-K or an fp8 x)."""
     M, K = x.shape
     N = weight.shape[0]
     fp8 = scale is not None
@@ -631,6 +636,8 @@ def linear_into(
             f"linear_into: x_scale goes with an fp8 x and is float32 [{M}, {k_blocks(K)}] with contiguous rows, got "
             f"x {x.dtype} and x_scale {x_scale.dtype} {list(x_scale.shape)}"
         )
+    if round_x and (split > 1 or fp8_x):
+        raise ValueError(f"linear_into: round_x stores the kernel's own result: no split-K or fp8 x, got {meta}")
     s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
     xs, stride_xsm = (x_scale, x_scale.stride(0)) if fp8_x else (s, 0)  # xs unused without X_FP8
     if norm is None:
@@ -646,7 +653,7 @@ def linear_into(
         del meta["BLOCK_M"], meta["PERSISTENT"]
         _gemv_persistent_kernel[grid](
             x, weight, out, s, N, K, weight.stride(0), stride_sn, residual, norm_weight, normed, hidden,
-            residual.stride(0), eps, NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
+            residual.stride(0), eps, NORM=norm is not None, PDL=on, ROUND_X=round_x, launch_pdl=on, **meta,
         )  # fmt: skip
         return out
     if split > 1 and workspace is None:
@@ -655,7 +662,7 @@ def linear_into(
         x, weight, out if split == 1 else workspace, s, M, N, K,
         x.stride(0), weight.stride(0), stride_sn, k_per_split, split,
         residual, norm_weight, normed, hidden, residual.stride(0), eps, xs, stride_xsm,
-        NORM=norm is not None, PDL=on, launch_pdl=on, **meta,
+        NORM=norm is not None, PDL=on, ROUND_X=round_x, launch_pdl=on, **meta,
     )  # fmt: skip
     if split > 1:
         _split_k_reduce_kernel[(cdiv(M * N, REDUCE_BLOCK),)](
@@ -730,6 +737,36 @@ def _(x, weight, scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _logits(x, weight, out=None, scale=None) -> torch.Tensor:
+    _check(x, weight, scale)
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    plan_dtype = x.dtype if scale is None else weight.dtype
+    if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, plan_dtype, x.device)[1] > 1:  # the cast's launch
+        logits = _linear(x, weight, scale=scale).float()
+        return logits if out is None else out.copy_(logits)
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32, device=x.device) if out is None else out
+    linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, round_x=True)
+    return out
+
+
+def logits_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
+    """logits(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous fp32): the
+    out-variant of an exported method whose output is the logits."""
+    *scale, out = scale_out
+    return _logits(x, weight, out, scale[0] if scale else None)
+
+
+@torch.library.custom_op("qmoe::logits", mutates_args=())
+def _logits_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    return _logits(x, weight, scale=scale)
+
+
+@_logits_op.register_fake
+def _(x, weight, scale=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 def _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
@@ -783,3 +820,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     if kernels.tracing():
         return _linear_op(x, weight) if scale is None else _linear_op(x, weight, scale)
     return _linear(x, weight, scale=scale)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """naive.logits: linear(x, weight[, scale]) rounded to x's dtype, as fp32 [..., N]. Up to 64 rows (split-K
+    plans aside) the GEMV stores the rounded result as fp32 itself, so the step has no cast kernel (3.7 us at the
+    35B's 248,320-entry vocabulary, results/profile_decode_loop.json at d2a60d7)."""
+    if kernels.tracing():
+        return _logits_op(x, weight) if scale is None else _logits_op(x, weight, scale)
+    return _logits(x, weight, scale=scale)

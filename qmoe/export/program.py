@@ -29,6 +29,7 @@ def _out_variants() -> dict:
     return {
         torch.ops.aten.linear.default: naive.linear_out,
         torch.ops.qmoe.linear.default: triton.linear_out,
+        torch.ops.qmoe.logits.default: triton.logits_out,
         torch.ops.qmoe.greedy.default: sampling.greedy_out,
     }
 

@@ -399,7 +399,7 @@ class Qwen35MoE(nn.Module):
         if not all_logits:
             x = x[:, -1]
         # sharded: this rank's vocabulary slice
-        return self.ops["linear"].linear(x, self.lm_head.weight, scale_of(self.lm_head)).float()
+        return self.ops["linear"].logits(x, self.lm_head.weight, scale_of(self.lm_head))
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
         """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation; vocab-parallel

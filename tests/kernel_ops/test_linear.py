@@ -409,3 +409,50 @@ def test_persistent_gemv_35b_gpu(shape, cfg, norm):
         ref, torch_out = reference(x, w), naive.linear(x, w)
     assert rel_err(static_out, ref) <= 1.1 * rel_err(torch_out, ref) + 1e-4
     assert torch.equal(static_out, run())
+
+
+# (M, N, K, config, reason): every path that stores the kernel's own result (no split-K)
+LOGITS_CASES = [
+    (1, 37, 53, config(1, 8, 16), "GEMV, primes: N and K tails"),
+    (1, 37, 53, persistent(4, 64, 1), "persistent GEMV, N tail"),
+    (7, 33, 80, config(16, 32, 16), "dot path, M < BLOCK_M, N tail"),
+]
+
+
+@pytest.mark.parametrize("M,N,K,cfg,reason", LOGITS_CASES, ids=[c[-1].split(",")[0] for c in LOGITS_CASES])
+def test_round_x_stores_the_rounded_result_as_fp32(M, N, K, cfg, reason):
+    """round_x (the logits' lm_head): the kernel rounds to x's dtype (fp16 here), then stores fp32, so an fp32 out
+    holds exactly linear(...).float(): bit for bit the fp16 result, which fp32 storage alone would not be."""
+    x, w = make(M, N, K, torch.float16, seed=N + K)
+    want = poisoned(M, N, dtype=torch.float16)
+    lin.linear_into(x, w, want, config=cfg)
+    out = poisoned(M, N)
+    lin.linear_into(x, w, out, config=cfg, round_x=True)
+    assert torch.equal(out, want.float()), reason
+    unrounded = poisoned(M, N)
+    lin.linear_into(x, w, unrounded, config=cfg)  # the fp32 accumulator as it is: not what the model computes
+    assert not torch.equal(unrounded, out), reason
+
+
+def test_round_x_refuses_split_k():
+    x, w = make(1, 29, 100, torch.float16)
+    with pytest.raises(ValueError, match="round_x"):
+        lin.linear_into(x, w, poisoned(1, 29), config=config(1, 4, 16, SPLIT_K=3), round_x=True)
+
+
+@pytest.mark.parametrize("M", [1, 3, 65], ids=["M1 GEMV", "M3", "M65 cuBLAS, then the cast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_logits(M, dtype, monkeypatch):
+    """The model's logits op: fp32 [..., N] equal to linear(x, w).float() at every M (the GEMV's own store up to
+    MAX_M; a split-K plan and cuBLAS above take the cast), into a fresh tensor or the planned buffer
+    (logits_out), and naive.logits is the same contract on the torch path."""
+    x, w = make(2 * M, 40, 96, dtype, seed=M)
+    x = x.view(2, M, 96)
+    want = lin.linear(x, w).float()
+    out = lin.logits(x, w)
+    assert out.dtype == torch.float32 and out.shape == (2, M, 40) and torch.equal(out, want)
+    given = poisoned(2, M, 40)
+    assert lin.logits_out(x, w, given) is given and torch.equal(given, want)
+    assert torch.equal(naive.logits(x, w), naive.linear(x, w).float())
+    monkeypatch.setitem(lin._PLANS, (40, 96, dtype, 2 * M), lin.make_plan(2 * M, 40, 96, config(1, 4, 16, SPLIT_K=3)))
+    assert torch.equal(lin.logits(x, w), lin.linear(x, w).float())  # split-K: its reduce kernel rounds, then the cast
