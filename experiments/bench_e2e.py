@@ -32,14 +32,16 @@ import torch  # noqa: E402
 from benchlib import ceilings, print_targets, target, write_json  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+import kernels  # noqa: E402
 from qmoe.app import MODELS, get_model, run_experiment  # noqa: E402
 from qmoe.metrics.measure import active_weight_bytes  # noqa: E402
 from qmoe.settings import validate  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 FAST = ("runtime=cuda_native", "export=copy_elided", "kernels=triton", "runtime.cuda_graph=true")
-TRITON_GROUPS = ("linear", "moe", "sampling", "gdn", "attention", "norm")
+TRITON_GROUPS = kernels.OPS
 PARTS = {  # op group -> part of the decode step
+    "embedding": "embedding, positions",
     "linear": "dense GEMVs",
     "moe": "routed MoE (+ shared expert)",
     "gdn": "GDN",
@@ -134,6 +136,8 @@ def bytes_moved(group: str, name: str, args: tuple, out) -> int:
         return 2 * context * k_cache.shape[1] * k_cache.shape[3] * k_cache.element_size() + nbytes(q, gate, k, v, out)
     if group == "gdn":  # the conv and recurrent states are read and written
         return nbytes(*args[:4], out) + 2 * nbytes(args[8], args[9]) + nbytes(*args[4:8])
+    if group == "embedding":  # tokens, input_pos, table -> h, residual, positions: the rows gathered, not the table
+        return nbytes(*args[:2], *out) + nbytes(out[0])
     if group == "norm":
         outs = out if isinstance(out, tuple) else (out,)
         return nbytes(*[a for a in args if isinstance(a, torch.Tensor)], *outs)

@@ -76,7 +76,7 @@ def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
 
     cfg = ModelConfig.from_dict({**arch, "num_hidden_layers": 4})
     device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    choice = {g: kernels for g in ("linear", "moe", "gdn", "attention", "norm")}
+    choice = {g: kernels for g in ("embedding", "linear", "moe", "gdn", "attention", "norm")}
     model = build_model(cfg, dtype, device, seed=0, layout=layout)
     model.set_kernels(choice)
     model.setup_caches(1, 64)

@@ -1,6 +1,6 @@
 """Triton kernels for qmoe, one op group per sub-package.
 
-Each op group (`linear`, `moe`, `sampling`, `gdn`, `attention`, `norm`) has a plain PyTorch reference in
+Each op group (`embedding`, `linear`, `moe`, `sampling`, `gdn`, `attention`, `norm`) has a plain PyTorch reference in
 `naive.py` -- the model's `torch` path and the oracle for the kernel tests -- and its Triton
 implementation beside it. `kernels.resolve(op, impl)` picks one for the model's `kernels.<op>` switch.
 """
@@ -13,7 +13,7 @@ from types import ModuleType
 __version__ = "0.0.0"
 
 IMPLEMENTATIONS = ("torch", "triton")
-OPS = ("linear", "moe", "sampling", "gdn", "attention", "norm")
+OPS = ("embedding", "linear", "moe", "sampling", "gdn", "attention", "norm")
 # The kernels' environment switches and the values each takes (the first is its default when unset); read where
 # they act (kernels/pdl.py, launch.py, linear/triton.py, tuned.py), checked here so that a typo is one line
 ENVIRONMENT = {

@@ -388,11 +388,9 @@ class Qwen35MoE(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] int64 at positions input_pos[b] + t -> fp32 logits [B, V] of the last token
         ([B, T, V] with all_logits). Caches are read and updated in place."""
-        T = tokens.shape[1]
-        positions = input_pos[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
         eps = self.config.rms_norm_eps
-        h = self.embed_tokens(tokens)  # [B, T, H]
-        residual = torch.zeros_like(h)  # the first layer's norm adds the embedding to an empty stream (exactly)
+        # h [B, T, H]; the first layer's norm adds it to an empty residual stream (exactly); positions [B, T]
+        h, residual, positions = self.ops["embedding"].embed(tokens, input_pos, self.embed_tokens.weight)
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.inv_freq, self.ops, eps)
         x, _ = self.ops["norm"].add_rms_norm(h, residual, self.norm.weight, eps)
