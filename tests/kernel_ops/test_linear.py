@@ -456,3 +456,13 @@ def test_logits(M, dtype, monkeypatch):
     assert torch.equal(naive.logits(x, w), naive.linear(x, w).float())
     monkeypatch.setitem(lin._PLANS, (40, 96, dtype, 2 * M), lin.make_plan(2 * M, 40, 96, config(1, 4, 16, SPLIT_K=3)))
     assert torch.equal(lin.logits(x, w), lin.linear(x, w).float())  # split-K: its reduce kernel rounds, then the cast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(248320, 2048), (4099, 3072)], ids=["35B lm_head (table entry)", "odd N, default"])
+@pytest.mark.parametrize("M", [1, 4])
+def test_logits_gpu(N, K, M):
+    """bf16 on the GPU with the H200 table's plans: the logits op's fp32 store equals linear(...).float() exactly."""
+    x, w = make(M, N, K, torch.bfloat16, device="cuda")
+    out = lin.logits(x, w)
+    assert out.dtype == torch.float32 and torch.equal(out, lin.linear(x, w).float())
