@@ -1523,10 +1523,13 @@ greedy_arrivals = ArrivalCounters()
 @fast_launch
 @triton.jit(do_not_specialize=["B", "split", "chunk_blocks"])
 def _greedy_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, arrivals_ptr, out_ptr, split, chunk_blocks,
-                   BLOCK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Greedy, program (chunk, row): the chunk's max (NaN if it holds a NaN) and its lowest index; the row's last
     chunk to arrive combines the row's chunks -> the lowest index of the row max, INVALID for a row with a NaN or
-    only -inf. (A second launch combined them: 3.2 us of the H200 decode step, profile_decode_loop.)"""
+    only -inf. (A second launch combined them: 3.2 us of the H200 decode step, profile_decode_loop.) Everything it
+    reads is the lm_head's: with PDL only its start overlaps the lm_head's tail."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -1587,9 +1590,10 @@ def launch_greedy(
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks
     part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
+    on = pdl(logits)
     _greedy_kernel[(split, B)](
         logits, logits.stride(0), B, V, part_max, part_idx, greedy_arrivals(B, logits.device), out, split,
-        chunk_blocks, BLOCK=block, SPLIT=next_power_of_2(split), num_warps=num_warps,
+        chunk_blocks, BLOCK=block, SPLIT=next_power_of_2(split), PDL=on, launch_pdl=on, num_warps=num_warps,
     )  # fmt: skip
     return out
 

@@ -21,6 +21,16 @@ from qmoe.runtime.executor import ProgramRunner
 from qmoe.settings import ConfigError, SamplingSettings
 
 
+def advance(*counters: torch.Tensor) -> None:
+    """Each counter += 1: one launch for all of them where they share a device (the step's two were two kernels
+    outside the CUDA graph)."""
+    if len({c.device for c in counters}) == 1:
+        torch._foreach_add_(list(counters), 1)
+    else:
+        for c in counters:
+            c.add_(1)
+
+
 class CudaNativeRunner(ProgramRunner):
     name = "cuda_native"
     # per split: the prefill method, then the methods of a decode step (the ones CUDA graphs replay)
@@ -33,6 +43,8 @@ class CudaNativeRunner(ProgramRunner):
         # prefill-phase and decode-phase method of each split: they read the same or their own input buffers
         self.first, self.next = self.METHODS[self.split][:2]
         super().__init__(program, model, batch, ledger, cuda_graph, graphed=self.METHODS[self.split][1:])
+        if model.device.type == "cuda":  # the token ids stay in one planned buffer: read back beside the next step
+            self.read_stream = torch.cuda.Stream(model.device)
         values = {name: getattr(sampling, name) for name in SAMPLING_NAMES if name != "step"}
         for method in self._samplers:  # constants: filled in place once (a fill kernel, nothing is copied)
             for name, value in values.items():
@@ -53,6 +65,7 @@ class CudaNativeRunner(ProgramRunner):
         if self.split == "fused":
             m = self.methods[method]
             params = [m.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
+            self.await_read_back()  # its ids overwrite the ones the last step's read-back copies
             with recording(self.ledger, method):  # collectives of a sharded model
                 (token,) = m(tokens, input_pos, *params, step, ledger=self.ledger)
             return token
@@ -60,6 +73,7 @@ class CudaNativeRunner(ProgramRunner):
             (logits,) = self.methods["forward"](tokens, input_pos, ledger=self.ledger)
         sample = self.methods["sample"]  # logits are planned in its input buffer: handed over as they are
         params = [sample.input_buffer(name) for name in SAMPLING_NAMES if name != "step"]
+        self.await_read_back()  # sample writes the ids the last step's read-back copies (forward only reads them)
         with recording(self.ledger, "sample"):
             (token,) = sample(logits, *params, step, ledger=self.ledger)
         return token
@@ -87,10 +101,11 @@ class CudaNativeRunner(ProgramRunner):
         """Queue the step: the token ids stay on the device for the next step; only their read-back is waited on."""
         self.begin_decode()
         tokens, input_pos, step = self._inputs(self.next, 1)
+        if forced is not None:
+            self.await_read_back()  # the forced ids go into the buffer the read-back copies
         self.feed(self.next, tokens.view(self.batch), self.token, forced)
         self.token = self._run(self.next, tokens, input_pos, step)
-        input_pos.add_(1)
-        step.add_(1)
+        advance(input_pos, step)
         return self.read_back_later("sample" if self.split == "split" else self.next, self.token)
 
     def step(self, forced: torch.Tensor | None) -> torch.Tensor:

@@ -62,6 +62,11 @@ class Runner:
         self.read_buffers = [torch.empty(batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.token_host = self.read_buffers[0]  # the ids read back last
         self.decode_steps = 0
+        # a stream for the read-backs (set by a runner whose token buffer persists): the copy then waits for its
+        # step on that stream, and the next step, queued behind nothing, overlaps it; whatever next writes the
+        # token buffer waits for the copy (`await_read_back`)
+        self.read_stream: torch.cuda.Stream | None = None
+        self.read_done: torch.cuda.Event | None = None
 
     def space_of(self, t: torch.Tensor) -> str:
         """The memory space that holds `t` ("cpu", "cuda:0", or a program's planned arena)."""
@@ -90,10 +95,15 @@ class Runner:
         """Queue the read-back of token ids [B] (asynchronous into pinned memory from a GPU) -> a function that
         waits for it and returns the ids."""
         buffer = self.read_buffers[self.decode_steps % 2]
-        self.put(method, buffer, token, non_blocking=True)
-        copied = torch.cuda.Event() if token.is_cuda else None
-        if copied is not None:
-            copied.record()
+        stream = self.read_stream if token.is_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # None: the current stream
+            self.put(method, buffer, token, non_blocking=True)
+            copied = torch.cuda.Event() if token.is_cuda else None
+            if copied is not None:
+                copied.record()
+        self.read_done = copied if stream is not None else None
 
         def ids() -> torch.Tensor:
             if copied is not None:
@@ -102,6 +112,13 @@ class Runner:
             return buffer.clone()
 
         return ids
+
+    def await_read_back(self) -> None:
+        """The current stream waits for the last read-back queued on `read_stream` (before it overwrites what the
+        copy reads)."""
+        if self.read_done is not None:
+            torch.cuda.current_stream().wait_event(self.read_done)
+            self.read_done = None
 
     def launch(self, forced: torch.Tensor | None):
         """Queue one decode step -> a function returning its token ids. Here the whole step runs now."""
