@@ -103,3 +103,23 @@ def test_cuda_native_copy_elided_app_defaults_to_graphs(tmp_path):
         "d2h": {"count": 1, "bytes": 8},
         "d2d": {"count": 0, "bytes": 0},
     }
+
+
+@pytest.mark.parametrize("split", ["split", "fused"])
+def test_read_back_stream_is_waited_for(model, prompts, reference_tokens, split):
+    """cuda_native reads each step's ids back on a stream of its own while the next step runs; the next writer of
+    the ids' buffer (sample, or the fused decode) must wait for that copy. Here every copy is held up ~25 ms by a
+    sleep queued before it on the read-back stream: without the wait the next step's ids overwrite the buffer first,
+    and the ids read back are the next step's."""
+    runner = make_runner(model, "cuda_native", export_settings("copy_elided", split), GREEDY, B, TransferLedger(), True)
+    generate(runner, prompts, 4)  # warm-up: compiles, captures the graphs
+    assert runner.read_stream is not None and runner.read_stream != torch.cuda.current_stream()
+    queue = runner.read_back_later
+
+    def delayed(method, token):
+        with torch.cuda.stream(runner.read_stream):
+            torch.cuda._sleep(50_000_000)  # clock cycles: ~25 ms
+        return queue(method, token)
+
+    runner.read_back_later = delayed
+    assert generate(runner, prompts, NEW).tokens == reference_tokens
