@@ -743,8 +743,8 @@ def _logits(x, weight, out=None, scale=None) -> torch.Tensor:
     M = x.numel() // K if K else 0
     plan_dtype = x.dtype if scale is None else weight.dtype
     if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, plan_dtype, x.device)[1] > 1:  # the cast's launch
-        logits = _linear(x, weight, scale=scale).float()
-        return logits if out is None else out.copy_(logits)
+        logits = _linear(x, weight, scale=scale)
+        return logits.float() if out is None else out.copy_(logits)  # copy_ casts into out: one kernel
     out = torch.empty((*x.shape[:-1], N), dtype=torch.float32, device=x.device) if out is None else out
     linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, round_x=True)
     return out
