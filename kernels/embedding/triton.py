@@ -43,7 +43,8 @@ def _embed_kernel(
 
 
 def embed_into(tokens, input_pos, table, h, residual, positions) -> None:
-    """naive.embed into caller-given h, residual [B, T, H] (contiguous, table's dtype) and positions [B, T] int64."""
+    """naive.embed into caller-given h, residual [B, T, H] (contiguous, table's dtype) and positions [B, T]
+    (contiguous int64); tokens and input_pos may be any views."""
     B, T = tokens.shape
     H = table.shape[1]
     if table.stride(1) != 1:
@@ -76,7 +77,7 @@ _embed_op = torch.library.custom_op("qmoe_embedding::embed", _embed, mutates_arg
 def _(tokens, input_pos, table):
     B, T = tokens.shape
     h = tokens.new_empty((B, T, table.shape[1]), dtype=table.dtype)
-    return h, torch.empty_like(h), tokens.new_empty((B, T))
+    return h, torch.empty_like(h), tokens.new_empty((B, T), dtype=torch.int64)
 
 
 def embed(
