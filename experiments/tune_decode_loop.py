@@ -78,11 +78,15 @@ MOE_DOWN_CANDIDATES = [(2, 512, 4, 2), (8, 256, 4, 3), (4, 512, 4, 2), (8, 512, 
 # and 2,304 programs in 2 and 3 waves at 7 per SM; persistent at 1 x 2048 on 8 per SM (64 registers), one wave
 # (experiments/aot_decode_sass.py's occupancy)
 # (1 x 2048 on 8 per SM lost at 2f2dfcc: 2 KB rows keep half the bf16 one's bytes in flight; the 4 KB and 8 KB row
-# blocks that still fit one wave: 2 x 2048 at 80 registers 6 per SM, 4 x 2048 on 8 warps 3, 2 x 2048 on 8 warps 4)
+# blocks that still fit one wave lost too at 616263e: 2 x 2048 at 80 registers 6 per SM, 4 x 2048 on 8 warps 3,
+# 2 x 2048 on 8 warps 4). The tiled entries' grids take 2 waves (8 x 1024: 72 registers, 7 per SM, 1,544 programs
+# for the DeltaNet in-projection); capped, 16 x 1024 fits one at 80 registers (6 per SM, 88 B spill), 8 x 1024 runs 8
+# per SM at 64 (experiments/aot_decode_sass.py's compile)
 FP8_GEMV_CANDIDATES = {
     2048: [(4, 2048, 4, 1), (2, 2048, 4, 1), (8, 2048, 8, 1), (4, 1024, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1),
            (8, 512, 4, 2), (1, 2048, 4, 1, 8), (2, 2048, 4, 1, 4), (1, 2048, 4, 1, 6), (2, 2048, 4, 1, 6),
-           (4, 2048, 8, 1, 3), (2, 2048, 8, 1, 4)],
+           (4, 2048, 8, 1, 3), (2, 2048, 8, 1, 4), (16, 1024, 4, 1, 0, 80), (8, 1024, 4, 1, 0, 64),
+           (16, 1024, 4, 1, 0, 96)],
     4096: [(4, 4096, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 2),
            (1, 4096, 4, 1, 4), (2, 4096, 4, 1, 3)],
 }  # fmt: skip
