@@ -162,9 +162,9 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     # Before the PDL wait: the position and this split's first K/V tile. No kernel this one may overlap writes
-    # them: the positions are torch ops at the forward's start and the keys < pos this layer's attention of
-    # earlier steps (or the prefill's kernels), all before a launch without PDL (the embedding) that starts only
-    # once every kernel before it has completed. (After the wait they were two dependent round trips, the
+    # them: the positions are the forward's prologue's (kernels/embedding) and the keys < pos this layer's
+    # attention of earlier steps (or the prefill's kernels), all written by the time that launch without PDL
+    # completes; no kernel after it starts before. (After the wait they were two dependent round trips, the
     # position's then the tile's, ahead of all the math.)
     pos = tl.load(pos_ptr + b * stride_pb)  # this row's query position: keys 0..pos are visible
     n_tiles = tl.cdiv(pos + 1, BLOCK_N)

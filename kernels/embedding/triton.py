@@ -3,7 +3,9 @@
 As torch ops these are four launches before the first layer (arange, add, the embedding gather, zeros: 5.3 us of a
 graphed 35B decode step before its first projection, results/profile_decode_loop.json at d2a60d7), none with PDL.
 One program per (token, H block) copies its slice of the token's row, zeroes the residual's, and the first H
-block writes the position. Launched with PDL, so the first projection's weight loads start before it ends.
+block writes the position. Launched without PDL, like the torch ops it replaces: it starts once every kernel before
+it has completed, and no kernel after it starts before it has completed. The decode kernels' loads before their
+PDL wait rely on that: attention's position (written here) and DeltaNet's states (written in the step before).
 """
 
 import torch
@@ -12,7 +14,6 @@ import triton.language as tl
 
 import kernels
 from kernels.launch import cdiv, fast_launch, next_power_of_2
-from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 __all__ = ["embed", "embed_into"]
 
@@ -23,12 +24,10 @@ MAX_BLOCK_H = 2048  # columns per program: the 35B's hidden size in one (4 KB of
 @triton.jit
 def _embed_kernel(
     tokens_ptr, input_pos_ptr, table_ptr, h_ptr, residual_ptr, positions_ptr, T, H, stride_v, stride_tb, stride_tt,
-    stride_p, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    stride_p, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program (row b * T + t, H block): h[row] = table[tokens[row]] and residual[row] = 0 over the block's
     columns; H block 0 writes positions[row] = input_pos[b] + t."""
-    allow_dependents(PDL)
-    wait_for_producers(PDL)  # the tokens and positions are the previous step's
     row = tl.program_id(0)
     b, t = row // T, row % T
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -52,10 +51,9 @@ def embed_into(tokens, input_pos, table, h, residual, positions) -> None:
     if B * T == 0:
         return
     block = min(next_power_of_2(H), MAX_BLOCK_H)
-    on = pdl(tokens)
     _embed_kernel[(B * T, cdiv(H, block))](
         tokens, input_pos, table, h, residual, positions, T, H, table.stride(0), *tokens.stride(), input_pos.stride(0),
-        BLOCK_H=block, PDL=on, launch_pdl=on, num_warps=4,
+        BLOCK_H=block, num_warps=4,
     )  # fmt: skip
 
 

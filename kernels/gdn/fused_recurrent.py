@@ -114,8 +114,8 @@ def _decode_kernel(
     # the q/k and v conv loads (first, Triton 3.9 moved it to the conv tiles' layout: 32 KiB of shared memory;
     # after the v conv math, a layout conversion's barrier waited on the conv loads before it was issued: sm_90
     # TTGIR/PTX), and the weights. The states were written by this kernel in the previous decode step, which a
-    # non-PDL launch -- the next forward's embedding -- separates from this one. After the wait: the new token's
-    # q|k|v, z, a, b from the input projection.
+    # non-PDL launch -- the next forward's prologue (kernels/embedding) -- separates from this one. After the wait:
+    # the new token's q|k|v, z, a, b from the input projection.
     q_old, q_shifted, q_w, q_w_new = _conv_load(conv_row, conv_w_ptr, q_ch, mk, KW, KP)  # [BK, KP]..
     k_old, k_shifted, k_w, k_w_new = _conv_load(conv_row, conv_w_ptr, k_ch, mk, KW, KP)
     # This program is done reading the key head's q/k conv slots: it counts itself in before the wait too, so

@@ -965,7 +965,7 @@ def _moe_down_gemv_kernel(
     routing weights and the gate logit load with the ids, and its product is taken before the experts' loop, which
     frees its rows' registers and leaves no load behind the loop (35B step 2.0136 -> 1.9988 ms on the H200; the
     same loads with the product after the loop: 2.0281, results/ab_decode_down_hoist.json). EP: the experts other
-    ranks hold are masked lanes (no loads, weight 0); the shared expert's rows are this rank's slice."""
+    ranks hold are masked lanes (no loads: their products are 0); the shared expert's rows are this rank's slice."""
     allow_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1; the store drops them
