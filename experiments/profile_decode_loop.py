@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 from benchlib import ceilings, write_json
-from tune_decode_loop import PROJECTIONS, PROMPT_POS, capture_step, decode_model, projection_weights, replay_ms
+from tune_decode_loop import (
+    PROJECTIONS,
+    PROMPT_POS,
+    capture_step,
+    decode_model,
+    named_tensors,
+    projection_weights,
+    replay_ms,
+)
 
 from kernels.fp8 import FP8
 from kernels.linear import triton as linear_triton
@@ -41,9 +49,9 @@ KIND_NAMES = {  # tune_decode_loop.PROJECTIONS -> the kind this table names
 GEMV_KERNELS = ("_linear_kernel", "_gemv_persistent_kernel")
 
 
-def nbytes_with_scale(model, name: str) -> int:
-    """Bytes of parameter or buffer `name` and, for an FP8 one, of its `<name>_scale` beside it."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+def nbytes_with_scale(tensors: dict, name: str) -> int:
+    """Bytes of tensors[name] and, for an FP8 weight, of its `<name>_scale` beside it (tensors: the model's
+    parameters and buffers by name)."""
     return sum(t.nbytes for t in (tensors[name], tensors.get(name + "_scale")) if t is not None)
 
 
@@ -51,24 +59,24 @@ def projection_kinds(model) -> dict:
     """(GEMV kernel, grid size) -> {kind: weight bytes, scales included} for the step's projection shapes. Two
     shapes can share a launch (the DeltaNet and attention in-projections on the persistent GEMV's grid of programs
     per SM)."""
-    kinds = defaultdict(dict)
+    kinds, tensors = defaultdict(dict), named_tensors(model)
     for what, weight in projection_weights(model).items():
         N, K = weight.shape
         dtype = FP8 if weight.dtype == FP8 else model.dtype  # cached_plan's key: x's dtype, or FP8 for fp8 weights
         grid, _, _, meta = linear_triton.cached_plan(1, N, K, dtype, model.device)
         kernel = GEMV_KERNELS[1] if meta.get("PERSISTENT") else GEMV_KERNELS[0]
-        kinds[(kernel, grid[0])][KIND_NAMES[what]] = nbytes_with_scale(model, PROJECTIONS[what])
+        kinds[(kernel, grid[0])][KIND_NAMES[what]] = nbytes_with_scale(tensors, PROJECTIONS[what])
     return kinds
 
 
 def moe_kernel_bytes(model) -> dict:
     """{"up": bytes, "down": bytes} one token's MoE launches read (layer 0's weights and scales): the top-k experts'
     gate and up rows; their down rows and the shared expert's down projection (its gate and up are moe_in's)."""
-    c, mlp = model.config, "layers.0.mlp."
+    c, mlp, tensors = model.config, "layers.0.mlp.", named_tensors(model)
     routed = c.num_experts_per_tok / c.num_experts
-    up = nbytes_with_scale(model, mlp + "experts.gate_up_proj") * routed
-    down = nbytes_with_scale(model, mlp + "experts.down_proj") * routed
-    return {"up": up, "down": down + nbytes_with_scale(model, mlp + "shared_expert.down_proj.weight")}
+    up = nbytes_with_scale(tensors, mlp + "experts.gate_up_proj") * routed
+    down = nbytes_with_scale(tensors, mlp + "experts.down_proj") * routed
+    return {"up": up, "down": down + nbytes_with_scale(tensors, mlp + "shared_expert.down_proj.weight")}
 
 
 def kind_of(event: dict, previous: str, attention_layer: bool, projections: dict, moe: dict, c) -> tuple[str, int]:

@@ -164,9 +164,14 @@ PROJECTIONS = {
 }
 
 
+def named_tensors(model) -> dict:
+    """The model's parameters and buffers by name (the fused projections are buffers, the others parameters)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def projection_weights(model) -> dict:
-    """PROJECTIONS -> the model's weights [N, K] (the fused projections are buffers, the others parameters)."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    """PROJECTIONS -> the model's weights [N, K]."""
+    tensors = named_tensors(model)
     return {what: tensors[name] for what, name in PROJECTIONS.items()}
 
 
@@ -303,7 +308,7 @@ def main():
         return
     H, cfg_m = model.config.hidden_size, model.config
     E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # the fused projections are buffers
+    params = named_tensors(model)
     fp8_run = args.weights == "fp8"  # then only what the FP8 model holds in FP8 (the bf16 rest is the bf16 run's)
     rows, chosen = [], {"linear": {}, "moe": {}}
     for what, weight in projection_weights(model).items():
