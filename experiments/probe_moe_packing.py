@@ -5,8 +5,9 @@ blocks (about half the experts then run a second block of ~10 real rows), agains
 tiles, and the table's config with SUB_TILES 0 / 1 / 2 (a tail block on a tile of half / a quarter of the rows), for
 bf16 and for fp8 experts (FP8 x FP8, the table's float8 entry). Same x, weights and routing weights in every
 row; CUDA-graph timing; weights (1.6 GB bf16) past L2. Each SUB_TILES row also reports its largest difference
-from SUB_TILES 0 relative to the output's largest value, and whether two runs of it are bit-identical (the pairs'
-order inside an expert's group comes from atomics, so which rows land in a tail block can change between runs).
+from SUB_TILES 0 relative to the output's largest value, and whether two runs of it are bit-identical (at b87aa79
+the pairs' order inside an expert's group came from atomics, so which rows landed in a tail block could change
+between runs; since ffac9b7 align_pairs keeps pair order, and the runs must agree).
 
     PYTHONPATH=. python experiments/probe_moe_packing.py [--out results/probe_moe_packing.json]
 """
