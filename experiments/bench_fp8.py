@@ -15,6 +15,11 @@ check fails. Then:
   moe    the MoE block (2 launches at M <= 64) at 35B / 122B shapes, M = 1, 8, 64, uniform routing, each replay
          on its own routing; GB/s on the fp8 bytes of the distinct selected experts + the shared down projection;
          the bf16 block beside it.
+  moe_prefill  the routed experts' sorted kernels at M = 4096 (route, align, up, down; uniform routing) on fp8
+         experts in both prefill modes (kernels/fp8.PREFILL): "dequantize" (each weight tile dequantized to bf16 in
+         registers) on the bf16 table's tile and on a few others, each checked bit-identical to the dense kernels
+         on the dequantized weights with the same tile; "fp8" (FP8 x FP8 with its two activation pre-passes) on
+         the fp8 table's tile, its error against the fp32 experts reported; and the dense kernels beside them.
   build  build_model(..., fp8=fp8_weight_names(cfg, "fp8")) at 35B and 122B dims on the GPU (random weights,
          quantized tensor by tensor): seconds, parameter bytes, peak allocated (the bf16 122B does not fit).
   sweep  M = 1 launch configs for the FP8 GEMV (per projection shape) and the FP8 MoE GEMV pair (per model shape):
@@ -55,7 +60,7 @@ from qmoe.model import build_model, fp8_weight_names, weight_nbytes  # noqa: E40
 MODELS = {"35B": "qwen35_moe", "122B": "qwen35_moe_122b"}
 MOE_SHAPES = {"35B": dict(E=256, H=2048, I=512, K=8), "122B": dict(E=256, H=3072, I=1024, K=8)}
 M_VALUES = (1, 8, 64)
-SECTIONS = ["gemv", "moe", "sweep", "build"]
+SECTIONS = ["gemv", "moe", "moe_prefill", "sweep", "build"]
 PREFILL_M = 4096
 SMOKE_GEMV = {(70, 300): ["smoke a"], (33, 136): ["smoke b"]}
 SMOKE_MOE = {"smoke": dict(E=8, H=160, I=136, K=2)}
@@ -222,6 +227,80 @@ def bench_moe(shapes, m_values, device, dtype, copy_gbs) -> list[dict]:
     return rows
 
 
+# dequantized-tile candidates at M = 4096: (BLOCK_M, SUB_TILES, up (BLOCK_N, BLOCK_K, warps, stages), down (...))
+PREFILL_TILES = [
+    (128, 1, (128, 128, 8, 3), (128, 128, 8, 3)),
+    (128, 1, (64, 64, 4, 4), (128, 64, 4, 3)),
+    (64, 2, (128, 64, 8, 4), (128, 64, 4, 3)),
+    (128, 1, (128, 64, 8, 3), (256, 64, 8, 3)),
+]
+
+
+def tile_config(block_m, sub, up, down) -> dict:
+    part = lambda t: dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), t))  # noqa: E731
+    return {"BLOCK_M": block_m, "SUB_TILES": sub, "up": part(up), "down": part(down)}
+
+
+def time_sorted(mode, config, routed, w, scales, scratch, device) -> tuple[torch.Tensor, float, str]:
+    """routed_partials_into with kernels/fp8.PREFILL = mode on each (x, weights, ids) of routed -> (the first
+    call's partials, µs per call, how it was timed)."""
+    import kernels.fp8
+
+    kernels.fp8.PREFILL = mode
+    try:
+        call = lambda i: moe.routed_partials_into(routed[i][0], *w, *routed[i][1:], *scratch, config, *scales)  # noqa: E731
+        call(0)
+        out = scratch[1].clone()
+        us, timing = time_calls(call, len(routed), device, reps=5)
+    finally:
+        kernels.fp8.PREFILL = "dequantize"
+    return out, us, timing
+
+
+def bench_moe_prefill(shapes, M, device, dtype) -> list[dict]:
+    """The sorted experts at M tokens, fp8 in both prefill modes and dense (the module docstring)."""
+    rows = []
+    for name, s in shapes.items():
+        E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+        w13, s13 = quantized((E, 2 * I, H), device, seed=1)
+        w2, s2 = quantized((E, H, I), device, seed=2)
+        fp8, scales, dense = (w13, w2), (s13, s2), (dequantize(w13, s13, dtype), dequantize(w2, s2, dtype))
+        routed = [(x, *moe_naive.route(p[:, :E], K)) for x, p in make_inputs(M, s, "uniform", 2, dtype, device)]
+        scratch = (torch.empty(M * K, I, dtype=dtype, device=device), torch.empty(M * K, H, dtype=dtype, device=device))
+        x, weights, ids = routed[0]
+        ref = moe_naive.fused_moe(x.float(), dense[0].float(), dense[1].float(), weights, ids)
+        dense_table = moe.get_config(M, E, H, I, dtype)
+        candidates = [
+            ("dense", "dequantize", dense_table, dense, ()),
+            ("dequantize", "dequantize", dense_table, fp8, scales),
+        ]
+        candidates += [("dequantize", "dequantize", tile_config(*t), fp8, scales) for t in PREFILL_TILES]
+        candidates += [("fp8", "fp8", moe.get_config(M, E, H, I, FP8), fp8, scales)]
+        for kind, mode, config, w, sc in candidates:
+            out, us, timing = time_sorted(mode, config, routed, w, sc, scratch, device)
+            row = {"shape": name, "M": M, "kind": kind, "config": config, "us": us, "timing": timing}
+            row["tflops"] = 2 * M * K * 3 * H * I / us / 1e6
+            row["rel_err_vs_fp32"] = rel_err(out.view(M, K, H).float().sum(1), ref)
+            if kind == "dequantize":  # the dense kernels on the dequantized weights, same tile: bit for bit
+                row["equals_dense_kernels"] = torch.equal(
+                    out, time_sorted(mode, config, routed[:1], dense, (), scratch, device)[0]
+                )
+            # FP8 x FP8: the activations' quantization (the interpreter's fp32 -> e4m3 rounding is inexact: --smoke
+            # reports it unchecked)
+            bound = (0.08 if device == "cuda" else float("inf")) if kind == "fp8" else MOE_TOL
+            row["check_ok"] = row.get("equals_dense_kernels", True) and row["rel_err_vs_fp32"] < bound
+            rows.append(row)
+            print(
+                f"moe_prefill {name:>5} M={M} {kind:>10} {us:8.1f} us {row['tflops']:6.1f} TFLOP/s  err "
+                f"{row['rel_err_vs_fp32']:.1e}{'' if row['check_ok'] else '  CHECK FAILED'}  {config}",
+                flush=True,
+            )
+        del w13, w2, fp8, dense, routed, scratch
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 GEMV_NARROW = [(4, 128, 4), (8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 128, 8), (32, 128, 8), (16, 64, 4)]
 GEMV_WIDE = [(4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 256, 4)]
 GEMV_CANDIDATES = GEMV_NARROW + GEMV_WIDE  # (BLOCK_N, BLOCK_K, num_warps)
@@ -366,6 +445,11 @@ def main():
         sections["gemv"] = bench_gemv(shapes, m_values, device, dtype, copy_gbs, prefill_m)
     if "moe" in args.sections:
         sections["moe"] = bench_moe(SMOKE_MOE if args.smoke else MOE_SHAPES, m_values, device, dtype, copy_gbs)
+    if "moe_prefill" in args.sections:
+        moe_shapes = SMOKE_MOE if args.smoke else MOE_SHAPES
+        sections["moe_prefill"] = bench_moe_prefill(
+            moe_shapes, SMOKE_PREFILL_M if args.smoke else PREFILL_M, device, dtype
+        )
     if "sweep" in args.sections:
         gemv_shapes = SMOKE_GEMV if args.smoke else model_shapes(MODELS)
         sections["sweep"], table = sweep(gemv_shapes, SMOKE_MOE if args.smoke else MOE_SHAPES, device, dtype)
@@ -409,7 +493,11 @@ def main():
             )
     print_targets(targets)
     print(f"-> {args.out} ({time.time() - t0:.0f} s)")
-    checks = [r["check_ok"] for rows in (sections.get("gemv", []), sections.get("moe", [])) for r in rows]
+    for r in sections.get("moe_prefill", []):
+        print(f"{'moe_prefill ' + r['shape'] + ' ' + r['kind']:>40} {r['M']:>5} {r['us']:8.1f} us {r['tflops']:6.1f} "
+              f"TFLOP/s {r['rel_err_vs_fp32']:8.1e} {r['check_ok']}  {r['config']}")  # fmt: skip
+    groups = ("gemv", "moe", "moe_prefill")
+    checks = [r["check_ok"] for rows in (sections.get(g, []) for g in groups) for r in rows]
     checks += [c["rel_err_vs_fp32"] < MOE_TOL for r in sections.get("sweep", []) for c in r.get("candidates", [])]
     if not all(checks):
         print("CORRECTNESS CHECK FAILED (see rows with ok=False)")
