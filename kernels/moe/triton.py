@@ -1145,12 +1145,66 @@ def _block_rows(sorted_ptr, block, P, BLOCK_M: tl.constexpr, ROWS: tl.constexpr)
 
 
 @triton.jit
+def _dequantized_rows(w_ptr, rows, row_mask, offs_k, k_mask, K, s_ptrs, k0, dtype: tl.constexpr):
+    """The fp8 weight rows `rows` [BLOCK_N] at columns offs_k [BLOCK_K] dequantized to dtype -> [BLOCK_N, BLOCK_K]:
+    times the rows' scales of K block k0 // 128 (s_ptrs at block 0) in fp32, rounded once (dequantize_rows' rule)."""
+    w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    return (w.to(tl.float32) * tl.load(s_ptrs + k0 // 128)[:, None]).to(dtype)
+
+
+@triton.jit
+def _up_tile_dequantized(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr,
+                         BLOCK_K: tl.constexpr):  # fmt: skip
+    """_up_tile with fp8 experts, each weight tile dequantized to x's dtype, as the transposed product
+    [BLOCK_N, BLOCK_M] = w_tile @ x[t]^T: the dequantized tile is the wgmma's A operand, which Hopper reads from
+    registers, while x^T, as B, streams into shared memory; a converted B operand would go registers -> shared ->
+    wgmma and make every step wait for its wgmma before the next tile's store (aot_sm90.py)."""
+    tokens = (pairs // TOP_K).to(tl.int64)
+    n_mask = offs_n < I
+    kb = tl.cdiv(H, 128)
+    rows = offs_n.to(tl.int64)
+    s_gate = s_ptr + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]; up rows are I further
+    acc_gate = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)  # [BLOCK_N, BLOCK_M]
+    acc_up = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        x_t = tl.load(
+            x_ptr + tokens[None, :] * H + offs_k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0
+        )
+        gate = _dequantized_rows(w_ptr, rows, n_mask, offs_k, k_mask, H, s_gate, k0, x_t.dtype)
+        acc_gate = _dot(gate, x_t, acc_gate)
+        up = _dequantized_rows(w_ptr + I * H, rows, n_mask, offs_k, k_mask, H, s_gate + I * kb, k0, x_t.dtype)
+        acc_up = _dot(up, x_t, acc_up)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    h_offs = pairs.to(tl.int64)[None, :] * I + offs_n[:, None]
+    tl.store(h_ptr + h_offs, h.to(h_ptr.dtype.element_ty), mask=n_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _down_acc_dequantized(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K: tl.constexpr):
+    """_down_acc with fp8 experts, each weight tile dequantized to h's dtype, transposed as _up_tile_dequantized
+    -> [BLOCK_N, BLOCK_M] fp32."""
+    rows = pairs.to(tl.int64)
+    n_mask = offs_n < H
+    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(I, 128)  # [BLOCK_N]
+    acc = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        h_t = tl.load(h_ptr + rows[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        w = _dequantized_rows(w_ptr, offs_n.to(tl.int64), n_mask, offs_k, k_mask, I, s_ptrs, k0, h_t.dtype)
+        acc = _dot(w, h_t, acc)
+    return acc
+
+
+@triton.jit
 def _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr,
              BLOCK_K: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
     if FP8 == FP8_X_FP8:
         _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
     elif FP8:
-        _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, TILE_DEQUANTIZED)
+        _up_tile_dequantized(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K)
     else:
         _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, False)
 
@@ -1191,16 +1245,19 @@ def _moe_up_sorted_kernel(
 def _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, s_ptr,
                BLOCK_K: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
     """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T for the rows `pairs` of one expert."""
-    if FP8 == FP8_X_FP8:
-        acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
-    elif FP8:
-        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, TILE_DEQUANTIZED)
-    else:
-        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, False)
     rows = pairs.to(tl.int64)
     scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
-    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
+    if FP8 == FP8_X_FP8 or not FP8:
+        if FP8:
+            acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+        else:
+            acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, False)
+        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
+    else:  # the transposed tile [BLOCK_N, BLOCK_M]
+        acc_t = _down_acc_dequantized(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K)
+        out = (acc_t * scale[None, :]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[None, :] * H + offs_n[:, None], out, mask=(offs_n < H)[:, None] & row_mask[None, :])
 
 
 @fast_launch

@@ -227,6 +227,7 @@ def test_fp8_sorted_prefill_configs_are_checked(monkeypatch):
     assert moe.get_config(4096, E, H, I, torch.float8_e4m3fn) is moe.DEFAULT_CONFIGS["prefill_fp8"]
 
 
+SAME_MATH_TOL = {F32: 1e-6, F16: 2e-3}  # the dequantized tiles against the dense kernels: sums in another order
 # the dequantized tiles also at BLOCK_K 64: two steps per scale block (a scale index of k0 // 64 reads the wrong one)
 DEQUANTIZED_CASES = [*PREFILL_CASES, (40, 300, 6, 136, 2, [0, 1, 3, 5], FP8_SMALL, "BLOCK_K 64: 2 steps a scale block")]
 
@@ -238,10 +239,10 @@ DEQUANTIZED_CASES = [*PREFILL_CASES, (40, 300, 6, 136, 2, [0, 1, 3, 5], FP8_SMAL
     ids=[c[-1].split(";")[0].split(":")[0] for c in DEQUANTIZED_CASES],
 )
 def test_fp8_sorted_prefill_dequantizes_tiles(M, H, E, I, K, experts, config, reason, dtype):
-    """The default (PREFILL = "dequantize"): each weight tile dequantized in registers by dequantize_rows' rule, so
-    h and the partials equal, bit for bit, the dense kernels' on the dequantized weights (same tiles, NaN scratch;
-    the K block 1 of every weight is 30x block 0, so a scale read for the wrong block shows), and the float64
-    reference within the dense path's tolerance. No activation is quantized: the pre-pass never runs."""
+    """The default (PREFILL = "dequantize"): each weight tile dequantized in registers by dequantize_rows' rule (the
+    transposed product), so h and the partials are the dense kernels' on the dequantized weights but for summation
+    order (same tiles, NaN scratch; the K block 1 of every weight is 30x block 0, so a scale read for the wrong
+    block shows), and the float64 reference within the dense path's tolerance. No activation is quantized."""
     assert fp8_weights.PREFILL == "dequantize"
     args, (s13, s2, _) = fp8_block_args(M, H, E, I, 8, dtype, shared_fp8=False, seed=M + I)
     x, _, w13, w2, _ = args
@@ -251,7 +252,10 @@ def test_fp8_sorted_prefill_dequantizes_tiles(M, H, E, I, K, experts, config, re
     dense_h, dense_partials = poisoned(M * K, I, dtype=dtype), poisoned(M * K, H, dtype=dtype)
     w13_d, w2_d = dequantize(w13, s13, dtype), dequantize(w2, s2, dtype)
     moe.routed_partials_into(x, w13_d, w2_d, weights, ids, dense_h, dense_partials, config)
-    assert torch.equal(h, dense_h) and torch.equal(partials, dense_partials), reason
+    # the same products, transposed: fp32 sums in another order, so the last bits (and fp16's roundings) may differ
+    assert rel_err(h, dense_h) < SAME_MATH_TOL[dtype] and rel_err(partials, dense_partials) < SAME_MATH_TOL[dtype], (
+        reason
+    )
     f64 = torch.float64
     exact = naive.fused_moe(x.double(), dequantize(w13, s13, f64), dequantize(w2, s2, f64), weights.double(), ids)
     assert rel_err(partials.view(M, K, H).double().sum(1), exact) < TOL[dtype], reason
@@ -379,8 +383,9 @@ def test_fp8_sorted_prefill_gpu_35b(M, sub, monkeypatch):
 @pytest.mark.parametrize("M", [4096, 300])
 def test_fp8_sorted_prefill_gpu_dequantized_tiles(M):
     """The default prefill (PREFILL = "dequantize") compiled for the GPU at the 35B shape in bf16, on the tiles the
-    table gives bf16 experts: h and the partials bit-identical to the dense kernels on the dequantized weights (the
-    fp8 load, the conversion and the scaling change nothing the wgmma sees), NaN scratch."""
+    table gives bf16 experts, NaN scratch: the experts' sum against fp32 on the dequantized weights no worse than
+    the dense kernels' on the same bf16 weights (the products are theirs, transposed: the bf16 roundings of h may
+    differ in the last bit), h within that rounding of the dense kernels'; bit-reproducible."""
     torch.manual_seed(M)
     E, H, I, K = 256, 2048, 512, 8
     x = torch.randn(M, H, device="cuda").bfloat16()
@@ -388,14 +393,20 @@ def test_fp8_sorted_prefill_gpu_dequantized_tiles(M):
     w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
     weights, ids = moe.route(torch.randn(M, E, device="cuda"), K)
     bf16 = torch.bfloat16
-    outs = []
-    for w13_, w2_, scales in ((w13, w2, (s13, s2)), (dequantize(w13, s13, bf16), dequantize(w2, s2, bf16), ())):
+    dense = dequantize(w13, s13, bf16), dequantize(w2, s2, bf16)
+    ref = naive.fused_moe(x.float(), dense[0].float(), dense[1].float(), weights, ids)
+
+    def run(w, scales):
         h = poisoned(M * K, I, dtype=bf16, device="cuda")
         partials = poisoned(M * K, H, dtype=bf16, device="cuda")
-        moe.routed_partials_into(x, w13_, w2_, weights, ids, h, partials, None, *scales)
-        outs.append((h, partials))
-    (h, partials), (dense_h, dense_partials) = outs
-    assert torch.equal(h, dense_h) and torch.equal(partials, dense_partials)
+        moe.routed_partials_into(x, *w, weights, ids, h, partials, None, *scales)
+        return h, partials
+
+    (h, partials), (dense_h, dense_partials) = run((w13, w2), (s13, s2)), run(dense, ())
+    summed = lambda p: p.view(M, K, H).float().sum(1)  # noqa: E731
+    assert rel_err(summed(partials), ref) <= 1.05 * rel_err(summed(dense_partials), ref)
+    assert rel_err(h, dense_h) < 4e-3
+    assert all(torch.equal(a, b) for a, b in zip(run((w13, w2), (s13, s2)), (h, partials)))
 
 
 @pytest.mark.parametrize("rank", [0, 1])
