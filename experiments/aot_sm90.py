@@ -88,25 +88,22 @@ def quantize_prepass(block_m=None):
     return spec(fp8._quantize_activations_kernel, args, const), 4, 1
 
 
-def moe_sorted(which: str, cfg=None, mode: str = "fp8"):
-    """_moe_{up,down}_sorted_kernel with fp8 experts at the 35B shape (E 256, H 2048, I 512, top-8), bf16; mode:
-    kernels/fp8.PREFILL's ("fp8": FP8 x FP8 on the pre-pass's fp8 activations; "dequantize": bf16 activations, each
-    weight tile dequantized)."""
-    cfg = cfg or moe.DEFAULT_CONFIGS["prefill_fp8" if mode == "fp8" else "prefill"]
+def moe_sorted(which: str, cfg=None):
+    """_moe_{up,down}_sorted_kernel with fp8 experts at the 35B shape (E 256, H 2048, I 512, top-8), bf16."""
+    cfg = cfg or moe.DEFAULT_CONFIGS["prefill_fp8"]
     part = cfg[which]
     p, b = "*bf16", True
     common = {"sorted_ptr": ("*i32", b), "ends_ptr": ("*i32", b), "P": ("i32", False), "E": ("i32", True),
               "H": ("i32", True), "I": ("i32", True)}  # fmt: skip
     const = {"BLOCK_E": 256, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"],
-             "FP8": moe.SORTED_FP8[mode], "SUB_TILES": cfg.get("SUB_TILES", 0)}  # fmt: skip
+             "A_FP8": True, "SUB_TILES": cfg.get("SUB_TILES", 0)}  # fmt: skip
     f8, f32 = ("*fp8e4nv", b), ("*fp32", b)
-    a = f8 if mode == "fp8" else (p, b)  # the activations
-    if which == "up":  # x (fp8 from the pre-pass, with its scales, or bf16) in, bf16 h out
-        args = {"x_ptr": a, "w13_ptr": f8, "h_ptr": (p, b), "w13_s_ptr": f32, "xs_ptr": f32, **common}
+    if which == "up":  # fp8 x (the pre-pass's) and its scales in, bf16 h out
+        args = {"x_ptr": f8, "w13_ptr": f8, "h_ptr": (p, b), "w13_s_ptr": f32, "xs_ptr": f32, **common}
         const["TOP_K"] = 8
         kernel = moe._moe_up_sorted_kernel
     else:
-        args = {"h_ptr": a, "w2_ptr": f8, "out_ptr": (p, b), "weights_ptr": f32, "w2_s_ptr": f32, "hs_ptr": f32,
+        args = {"h_ptr": f8, "w2_ptr": f8, "out_ptr": (p, b), "weights_ptr": f32, "w2_s_ptr": f32, "hs_ptr": f32,
                 **common}  # fmt: skip
         kernel = moe._moe_down_sorted_kernel
     fn = fn_of(kernel)
@@ -210,8 +207,7 @@ def tile(text: str | None, kind: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    builds = ["quantize_activations", "linear_prefill_fp8", "moe_up_sorted_fp8", "moe_down_sorted_fp8",
-              "moe_up_sorted_dequantized", "moe_down_sorted_dequantized"]  # fmt: skip
+    builds = ["quantize_activations", "linear_prefill_fp8", "moe_up_sorted_fp8", "moe_down_sorted_fp8"]
     parser.add_argument("--only", nargs="*", default=builds, choices=builds)
     parser.add_argument("--linear", help="BLOCK_M,BLOCK_N,num_warps,num_stages for linear (default: its config)")
     parser.add_argument("--moe", help="BLOCK_M,BLOCK_N,num_warps,num_stages for both MoE kernels")
@@ -223,8 +219,6 @@ def main():
         "linear_prefill_fp8": lambda: linear_prefill(lin_cfg),
         "moe_up_sorted_fp8": lambda: moe_sorted("up", moe_cfg),
         "moe_down_sorted_fp8": lambda: moe_sorted("down", moe_cfg),
-        "moe_up_sorted_dequantized": lambda: moe_sorted("up", moe_cfg, "dequantize"),
-        "moe_down_sorted_dequantized": lambda: moe_sorted("down", moe_cfg, "dequantize"),
     }
     for name in args.only:
         row = report(name, make[name](), Path(args.out))

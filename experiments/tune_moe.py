@@ -11,9 +11,7 @@ are kept.
 
 --weights fp8 tunes the table's float8_e4m3fn entries instead: the experts quantized (kernels/fp8.quantize_rows of
 the same random weights), every candidate run with their scales. Its prefill candidates are the FP8 x FP8 tiles
-(BLOCK_K fixed at 128: one activation and one weight scale group per step), timed with QMOE_FP8_PREFILL=fp8, the
-mode those entries serve (the default mode dequantizes each tile and runs on the dense dtype's entries);
-its decode candidates keep BLOCK_K <= 128
+(BLOCK_K fixed at 128: one activation and one weight scale group per step); its decode candidates keep BLOCK_K <= 128
 on the tiled path and a multiple of 128 on the GEMV (experiments/bench_fp8.py --sections sweep owns the fp8 GEMVs).
 
     python experiments/tune_moe.py [--shapes 35B 122B] [--prefill] [--m 4096] [--weights fp8] [--budget-s 210]
@@ -33,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_moe import SHAPES, SMOKE_SHAPES, make_inputs, time_eager  # noqa: E402
 from benchlib import time_calls  # noqa: E402
 
-import kernels.fp8  # noqa: E402
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K  # noqa: E402
 from kernels.fp8 import FP8, quantize_rows  # noqa: E402
 from kernels.moe import triton as tri  # noqa: E402
@@ -162,8 +159,6 @@ def main():
     # entries of theirs to tune there
     limit = tri.decode_max_m(FP8 if args.weights == "fp8" else dtype)
     tune = {m: b for m, b in tune.items() if not limit < m <= tri.DECODE_MAX_M}
-    if args.weights == "fp8":  # its prefill entries serve FP8 x FP8 (the module docstring)
-        kernels.fp8.PREFILL = "fp8"
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name()
     out = Path(args.out) if args.out else gpu_config_path(tri.CONFIG_DIR, gpu)
     table = json.loads(out.read_text()) if out.exists() else {}

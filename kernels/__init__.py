@@ -15,11 +15,11 @@ __version__ = "0.0.0"
 IMPLEMENTATIONS = ("torch", "triton")
 OPS = ("embedding", "linear", "moe", "sampling", "gdn", "attention", "norm")
 # The kernels' environment switches and the values each takes (the first is its default when unset); read where
-# they act (kernels/pdl.py, launch.py, fp8.py, tuned.py), checked here so that a typo is one line
+# they act (kernels/pdl.py, launch.py, linear/triton.py, tuned.py), checked here so that a typo is one line
 ENVIRONMENT = {
     "QMOE_PDL": ("1", "0"),  # 0: no Programmatic Dependent Launch
     "QMOE_FAST_LAUNCH": ("1", "0"),  # 0: every launch through Triton's own
-    "QMOE_FP8_PREFILL": ("dequantize", "fp8"),  # fp8 weights above 64 rows: dequantized to bf16, or FP8 x FP8
+    "QMOE_FP8_PREFILL": ("dequantize", "fp8"),  # fp8 weights above 64 rows: bf16 cuBLAS, or FP8 x FP8
     "QMOE_GEMV_DEFAULT_CONFIGS": ("0", "1"),  # 1: the linear op's default configs, not the GPU's table
     "QMOE_MOE_DEFAULT_CONFIGS": ("0", "1"),  # 1: the MoE op's default configs, not the GPU's table
 }

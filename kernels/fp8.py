@@ -21,22 +21,14 @@ Python scalar multiplies by its reciprocal there; on the CPU it divides, which d
 half the groups): written out, the CPU, the GPU and the Triton tile agree.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-import kernels
 from kernels.launch import cdiv, fast_launch
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
 FP8 = torch.float8_e4m3fn
-# How fp8 weights compute above 64 rows (prefill), in linear and the MoE alike: "dequantize" on their dequantization
-# to the activations' dtype (linear: dequantize_rows, then cuBLAS; the MoE's sorted kernels: each weight tile
-# dequantized in registers by the same rule), so no activation is rounded to fp8; "fp8": FP8 x FP8 on activations
-# quantized by quantize_activations. Read at each call (tests switch it).
-PREFILL = os.environ.get("QMOE_FP8_PREFILL", kernels.ENVIRONMENT["QMOE_FP8_PREFILL"][0])
 FP8_MAX = 448.0  # largest finite e4m3fn value
 INV_FP8_MAX = 1.0 / FP8_MAX  # a Python float: torch and Triton both round it to fp32 before multiplying
 _FP8_MAX = tl.constexpr(FP8_MAX)  # the same two for @triton.jit code (which reads only constexpr globals)

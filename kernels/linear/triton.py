@@ -43,6 +43,7 @@ time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an
 and one launch (two with split-K).
 """
 
+import os
 from pathlib import Path
 
 import torch
@@ -86,6 +87,7 @@ UNALIGNED_N_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_w
 # time as the step's fp8 wgmma) can run under the other's wgmma; 64 x 256 on 8 warps fits too (210, 124 KB, one per
 # SM); 128 x 128 on 8 warps spills 32 B, 128 x 128 on 4 and 64 x 256 on 4 spill ~600 / ~360 B
 FP8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
+FP8_PREFILL = os.environ.get("QMOE_FP8_PREFILL", kernels.ENVIRONMENT["QMOE_FP8_PREFILL"][0])  # the module docstring
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -704,7 +706,7 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if scale is not None and M > MAX_M and K and kernels.fp8.PREFILL == "fp8":  # FP8 x FP8: the pre-pass, then the GEMM
+    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":  # FP8 x FP8: the pre-pass, then the GEMM
         out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
         linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, quantize_x=True)
         return out.view(*x.shape[:-1], N)

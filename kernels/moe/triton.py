@@ -35,7 +35,7 @@ FP8 weights (kernels/fp8.py: float8_e4m3fn with fp32 scales [..., N, ceil(K / 12
 w2 together, the shared expert's down projection on its own) run the same kernels with EXPERTS_FP8 / SHARED_FP8:
 on the tiled decode path every K step (BLOCK_K <= 128, inside one scale block) loads one scale per output row and
 applies it to the step's tl.dot of the tile converted to the activations' dtype (exact for e4m3). The sorted
-prefill kernels run FP8 x FP8 instead (FP8_X_FP8, BLOCK_K = 128) on activations quantized beforehand per (row,
+prefill kernels run FP8 x FP8 instead (A_FP8, BLOCK_K = 128) on activations quantized beforehand per (row,
 128-wide group) by the weights' rule (kernels/fp8.quantize_activations, a pre-pass bit-identical to quantize_rows
 on the GPU): x once per call into fp8 token rows + scales, which the up kernel gathers by token as it gathers x;
 h (the up kernel's [P, I] output in x's dtype) by a second pre-pass into fp8 pair rows + scales for the down
@@ -111,7 +111,7 @@ DEFAULT_CONFIGS = {
         "up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
         "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     },
-    # M > 64 with fp8 experts: FP8 x FP8 (FP8_X_FP8) on pre-quantized activations, BLOCK_K fixed at 128 (one activation
+    # M > 64 with fp8 experts: FP8 x FP8 (A_FP8) on pre-quantized activations, BLOCK_K fixed at 128 (one activation
     # and one weight scale group per step). Not timed yet (tune_moe.py --prefill --weights fp8); picked from sm_90
     # compiles (experiments/aot_sm90.py, 35B shape): up 64 x 64 on 8 warps 142 registers, no spill (64 x 128 on 8
     # warps spills 20 B: two accumulators, two dot results and the gathered rows' 64-bit addresses); down 64 x 128 on
@@ -196,7 +196,7 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
 
 
 def check_prefill_fp8_config(config: dict) -> None:
-    """The sorted prefill kernels with fp8 experts (FP8_X_FP8) step exactly one 128-wide scale group per K step."""
+    """The sorted prefill kernels with fp8 experts (A_FP8) step exactly one 128-wide scale group per K step."""
     steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
     if steps != (SCALE_BLOCK_K, SCALE_BLOCK_K) or config["BLOCK_M"] < 16:
         raise ValueError(
@@ -442,24 +442,12 @@ def _dot(a, b, acc):
         return tl.dot(a, b, acc)
 
 
-TILE_DEQUANTIZED = tl.constexpr(2)  # _dot_scaled's third mode (True, 1, scales the step's product)
-# the sorted prefill kernels' FP8 constexpr for fp8 experts, by kernels/fp8.PREFILL (0: dense experts)
-SORTED_FP8 = {"fp8": 1, "dequantize": 2}
-FP8_X_FP8 = tl.constexpr(SORTED_FP8["fp8"])
-
-
 @triton.jit
 def _dot_scaled(a, w, acc, s_ptrs, k0, SCALED: tl.constexpr):
-    """acc + a @ w. SCALED (True or TILE_DEQUANTIZED): w [BLOCK_K, BLOCK_N] is fp8 and s_ptrs [BLOCK_N] point at its
-    columns' (output rows') scales of K block 0; the step at k0 lies in K block k0 // 128. True (the decode tiles):
-    the tile converts exactly to a's dtype and the scale multiplies the step's product in fp32. TILE_DEQUANTIZED
-    (the sorted prefill kernels): the tile times its scales, in fp32 rounded once to a's dtype (dequantize_rows'
-    rule), accumulates in place, so a step's wgmma need not finish before the next is issued (a scaled product
-    must: the scaling reads it); the result is the dense kernel's on the dequantized weights."""
-    if SCALED == TILE_DEQUANTIZED:
-        scale = tl.load(s_ptrs + k0 // 128)
-        return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc)
-    elif SCALED:
+    """acc + a @ w. SCALED: w [BLOCK_K, BLOCK_N] is fp8 and s_ptrs [BLOCK_N] point at its columns' (output rows')
+    scales of K block 0; the step at k0 lies in K block k0 // 128. The tile converts exactly to a's dtype and the
+    scale multiplies the step's product."""
+    if SCALED:
         scale = tl.load(s_ptrs + k0 // 128)
         return acc + _dot(a, w.to(a.dtype), tl.zeros_like(acc)) * scale[None, :]
     else:
@@ -1074,7 +1062,7 @@ def _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M: tl.constexpr, BLOC
 
 @triton.jit
 def _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr):
-    """_up_tile with fp8 experts on the sorted prefill path (FP8_X_FP8): x_ptr holds the fp8 token rows [M, H] and
+    """_up_tile with fp8 experts on the sorted prefill path (A_FP8): x_ptr holds the fp8 token rows [M, H] and
     xs_ptr their scales [M, ceil(H / 128)] (kernels/fp8.quantize_activations), gathered by token; both products are
     FP8 x FP8, each 128-column step's scaled by the token's and the weight rows' scales."""
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -1103,7 +1091,7 @@ def _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_p
 
 @triton.jit
 def _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr):
-    """_down_acc with fp8 experts on the sorted prefill path (FP8_X_FP8): h_ptr holds the fp8 pair rows [P, I] and
+    """_down_acc with fp8 experts on the sorted prefill path (A_FP8): h_ptr holds the fp8 pair rows [P, I] and
     hs_ptr their scales [P, ceil(I / 128)]; each 128-column step FP8 x FP8, scaled by the pair's and the weight
     rows' scales -> [BLOCK_M, BLOCK_N] fp32."""
     rows = pairs.to(tl.int64)
@@ -1145,66 +1133,10 @@ def _block_rows(sorted_ptr, block, P, BLOCK_M: tl.constexpr, ROWS: tl.constexpr)
 
 
 @triton.jit
-def _dequantized_rows(w_ptr, rows, row_mask, offs_k, k_mask, K, s_ptrs, k0, dtype: tl.constexpr):
-    """The fp8 weight rows `rows` [BLOCK_N] at columns offs_k [BLOCK_K] dequantized to dtype -> [BLOCK_N, BLOCK_K]:
-    times the rows' scales of K block k0 // 128 (s_ptrs at block 0) in fp32, rounded once (dequantize_rows' rule)."""
-    w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    return (w.to(tl.float32) * tl.load(s_ptrs + k0 // 128)[:, None]).to(dtype)
-
-
-@triton.jit
-def _up_tile_dequantized(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr,
-                         BLOCK_K: tl.constexpr):  # fmt: skip
-    """_up_tile with fp8 experts, each weight tile dequantized to x's dtype, as the transposed product
-    [BLOCK_N, BLOCK_M] = w_tile @ x[t]^T: the dequantized tile is the wgmma's A operand, which Hopper reads from
-    registers, while x^T, as B, streams into shared memory; a converted B operand would go registers -> shared ->
-    wgmma and make every step wait for its wgmma before the next tile's store (aot_sm90.py)."""
-    tokens = (pairs // TOP_K).to(tl.int64)
-    n_mask = offs_n < I
-    kb = tl.cdiv(H, 128)
-    rows = offs_n.to(tl.int64)
-    s_gate = s_ptr + tl.minimum(offs_n, I - 1).to(tl.int64) * kb  # [BLOCK_N]; up rows are I further
-    acc_gate = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)  # [BLOCK_N, BLOCK_M]
-    acc_up = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < H
-        x_t = tl.load(
-            x_ptr + tokens[None, :] * H + offs_k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0
-        )
-        gate = _dequantized_rows(w_ptr, rows, n_mask, offs_k, k_mask, H, s_gate, k0, x_t.dtype)
-        acc_gate = _dot(gate, x_t, acc_gate)
-        up = _dequantized_rows(w_ptr + I * H, rows, n_mask, offs_k, k_mask, H, s_gate + I * kb, k0, x_t.dtype)
-        acc_up = _dot(up, x_t, acc_up)
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    h_offs = pairs.to(tl.int64)[None, :] * I + offs_n[:, None]
-    tl.store(h_ptr + h_offs, h.to(h_ptr.dtype.element_ty), mask=n_mask[:, None] & row_mask[None, :])
-
-
-@triton.jit
-def _down_acc_dequantized(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K: tl.constexpr):
-    """_down_acc with fp8 experts, each weight tile dequantized to h's dtype, transposed as _up_tile_dequantized
-    -> [BLOCK_N, BLOCK_M] fp32."""
-    rows = pairs.to(tl.int64)
-    n_mask = offs_n < H
-    s_ptrs = s_ptr + tl.minimum(offs_n, H - 1).to(tl.int64) * tl.cdiv(I, 128)  # [BLOCK_N]
-    acc = tl.zeros((offs_n.shape[0], pairs.shape[0]), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < I
-        h_t = tl.load(h_ptr + rows[None, :] * I + offs_k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-        w = _dequantized_rows(w_ptr, offs_n.to(tl.int64), n_mask, offs_k, k_mask, I, s_ptrs, k0, h_t.dtype)
-        acc = _dot(w, h_t, acc)
-    return acc
-
-
-@triton.jit
 def _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K: tl.constexpr,
-             BLOCK_K: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
-    if FP8 == FP8_X_FP8:
+             BLOCK_K: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
+    if A_FP8:
         _up_tile_fp8(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K)
-    elif FP8:
-        _up_tile_dequantized(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K)
     else:
         _up_tile(x_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, False)
 
@@ -1214,12 +1146,11 @@ def _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, 
 def _moe_up_sorted_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_ptr, ends_ptr, P, E, H, I, w13_s_ptr, xs_ptr,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, SUB_TILES: tl.constexpr,
+    A_FP8: tl.constexpr, SUB_TILES: tl.constexpr,
 ):  # fmt: skip
-    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. FP8 (fp8 experts,
-    their scales at w13_s): FP8_X_FP8, x is fp8 too, with its per-(token, 128-group) scales at xs (BLOCK_K = 128);
-    else each weight tile is dequantized to x's dtype (TILE_DEQUANTIZED; BLOCK_K <= 128). SUB_TILES: a block with
-    few real rows runs a tile of BLOCK_M / 2 or / 4 rows (_sub_tile)."""
+    """h[pairs, offs_n] = silu(x[t] @ gate^T) * (x[t] @ up^T) for one block of an expert's pairs. A_FP8: the
+    experts are fp8 and x is too, with its per-(token, 128-group) scales at xs (FP8 x FP8; BLOCK_K = 128).
+    SUB_TILES: a block with few real rows runs a tile of BLOCK_M / 2 or / 4 rows (_sub_tile)."""
     # Axis 0 walks N tiles of one block, so neighbouring programs share the block's activations.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     block = tl.program_id(1)
@@ -1227,37 +1158,32 @@ def _moe_up_sorted_kernel(
     if used:
         w_ptr = w13_ptr + expert.to(tl.int64) * (2 * I * H)
         s_ptr = w13_s_ptr
-        if FP8:
-            tl.static_assert(BLOCK_K == 128 or FP8 != FP8_X_FP8, "FP8 x FP8 steps one 128-wide scale group per K step")
+        if A_FP8:
+            tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w13_s_ptr + expert.to(tl.int64) * (2 * I * tl.cdiv(H, 128))
         tier = _sub_tile(row_mask, BLOCK_M, SUB_TILES)
         if tier == 2:
             quarter, quarter_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 4)
-            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, quarter, quarter_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, FP8)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, quarter, quarter_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
         elif tier == 1:
             half, half_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 2)
-            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, half, half_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, FP8)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, half, half_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
         else:
-            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, FP8)
+            _up_rows(x_ptr, xs_ptr, w_ptr, h_ptr, pairs, row_mask, offs_n, H, I, s_ptr, TOP_K, BLOCK_K, A_FP8)
 
 
 @triton.jit
 def _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, s_ptr,
-               BLOCK_K: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+               BLOCK_K: tl.constexpr, A_FP8: tl.constexpr):  # fmt: skip
     """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T for the rows `pairs` of one expert."""
+    if A_FP8:
+        acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
+    else:
+        acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, False)
     rows = pairs.to(tl.int64)
     scale = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
-    if FP8 == FP8_X_FP8 or not FP8:
-        if FP8:
-            acc = _down_acc_fp8(h_ptr, hs_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr)
-        else:
-            acc = _down_acc(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K, False)
-        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
-    else:  # the transposed tile [BLOCK_N, BLOCK_M]
-        acc_t = _down_acc_dequantized(h_ptr, w_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K)
-        out = (acc_t * scale[None, :]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[None, :] * H + offs_n[:, None], out, mask=(offs_n < H)[:, None] & row_mask[None, :])
+    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], out, mask=row_mask[:, None] & (offs_n < H)[None, :])
 
 
 @fast_launch
@@ -1265,32 +1191,31 @@ def _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs
 def _moe_down_sorted_kernel(
     h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ptr, ends_ptr, P, E, H, I, w2_s_ptr, hs_ptr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, SUB_TILES: tl.constexpr,
+    A_FP8: tl.constexpr, SUB_TILES: tl.constexpr,
 ):  # fmt: skip
-    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. FP8 (fp8 experts, their scales at
-    w2_s): FP8_X_FP8, h is fp8 too, with its per-(pair, 128-group) scales at hs (BLOCK_K = 128); else each weight
-    tile is dequantized to h's dtype. SUB_TILES: as the up kernel."""
+    """partial[pairs, offs_n] = topk_weight * h[pairs] @ w2^T, in out's dtype. A_FP8: fp8 experts and an fp8 h
+    with its per-(pair, 128-group) scales at hs (FP8 x FP8; BLOCK_K = 128). SUB_TILES: as the up kernel."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     block = tl.program_id(1)
     expert, pairs, row_mask, used = _sorted_block(ends_ptr, sorted_ptr, block, E, P, BLOCK_M, BLOCK_E)
     if used:
         w_ptr = w2_ptr + expert.to(tl.int64) * (H * I)
         s_ptr = w2_s_ptr
-        if FP8:
-            tl.static_assert(BLOCK_K == 128 or FP8 != FP8_X_FP8, "FP8 x FP8 steps one 128-wide scale group per K step")
+        if A_FP8:
+            tl.static_assert(BLOCK_K == 128, "FP8 x FP8 steps one 128-wide scale group per K step")
             s_ptr = w2_s_ptr + expert.to(tl.int64) * (H * tl.cdiv(I, 128))
         tier = _sub_tile(row_mask, BLOCK_M, SUB_TILES)
         if tier == 2:
             quarter, quarter_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 4)
             _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, quarter, quarter_mask, offs_n, H, I, s_ptr,
-                       BLOCK_K, FP8)  # fmt: skip
+                       BLOCK_K, A_FP8)  # fmt: skip
         elif tier == 1:
             half, half_mask = _block_rows(sorted_ptr, block, P, BLOCK_M, BLOCK_M // 2)
             _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, half, half_mask, offs_n, H, I, s_ptr, BLOCK_K,
-                       FP8)  # fmt: skip
+                       A_FP8)  # fmt: skip
         else:
             _down_rows(h_ptr, hs_ptr, w_ptr, out_ptr, weights_ptr, pairs, row_mask, offs_n, H, I, s_ptr, BLOCK_K,
-                       FP8)  # fmt: skip
+                       A_FP8)  # fmt: skip
 
 
 COMBINE_BLOCK_H = 1024  # hidden columns per program of the prefill combine (and of its shared activation)
@@ -1343,13 +1268,10 @@ def routed_partials_into(
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
     P = M * K
-    mode = SORTED_FP8[kernels.fp8.PREFILL] if w13_scale is not None else 0
-    x_fp8 = mode == SORTED_FP8["fp8"]
-    # dequantized tiles compute in x's dtype, on that dtype's tiles
-    config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, w13.dtype if x_fp8 else x.dtype)
+    config = config or get_config(max(M, DECODE_MAX_M + 1), E, H, I, w13.dtype)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     fp8, _ = check_scales(config, w13, w2, None, w13_scale, w2_scale, None)
-    if x_fp8:
+    if fp8:
         check_prefill_fp8_config(config)
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if fp8 else (w13, w2)  # unread if dense
     ids = topk_ids.contiguous()
@@ -1360,15 +1282,15 @@ def routed_partials_into(
         raise ValueError(f"moe config: SUB_TILES is 0, 1 or 2, with BLOCK_M >> SUB_TILES >= 16 (tl.dot): {config}")
     sorted_pairs, ends = align_pairs(ids, E + others, block_m)  # the kernels skip blocks past the E-th group
     num_blocks, block_e = sorted_pairs.numel() // block_m, next_power_of_2(E)
-    x_a, x_s = quantize_activations(x) if x_fp8 else (x, x)  # x_s unread unless FP8 x FP8
+    x_a, x_s = quantize_activations(x) if fp8 else (x, x)  # x_s unread if dense
     _moe_up_sorted_kernel[(cdiv(I, up["BLOCK_N"]), num_blocks)](
         x_a, w13, h, sorted_pairs, ends, P, E, H, I, w13_s, x_s,
-        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, FP8=mode, SUB_TILES=sub, **up,
+        TOP_K=K, BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, SUB_TILES=sub, **up,
     )  # fmt: skip
-    h_a, h_s = quantize_activations(h) if x_fp8 else (h, h)
+    h_a, h_s = quantize_activations(h) if fp8 else (h, h)
     _moe_down_sorted_kernel[(cdiv(H, down["BLOCK_N"]), num_blocks)](
         h_a, w2, partials, weights, sorted_pairs, ends, P, E, H, I, w2_s, h_s,
-        BLOCK_E=block_e, BLOCK_M=block_m, FP8=mode, SUB_TILES=sub, **down,
+        BLOCK_E=block_e, BLOCK_M=block_m, A_FP8=fp8, SUB_TILES=sub, **down,
     )  # fmt: skip
     return partials
 

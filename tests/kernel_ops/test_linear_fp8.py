@@ -8,7 +8,6 @@ against the same quantization in float64 on interpreter-safe activations
 import pytest
 import torch
 
-from kernels import fp8 as fp8_weights
 from kernels.fp8 import dequantize, quantize_rows
 from kernels.linear import naive
 from kernels.linear import triton as lin
@@ -186,7 +185,7 @@ def test_fp8_prefill_gpu_35b(N, K, M, monkeypatch):
     the 35B projection shapes, bf16: against fp32 on the activations quantized by quantize_rows (the pre-pass is
     bit-identical to it, so only accumulation order and bf16 output rounding differ); bit-reproducible; two
     launches. Then the default: the dequantize pass and cuBLAS, against fp32 on the unquantized activations."""
-    monkeypatch.setattr(fp8_weights, "PREFILL", "fp8")
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     gen = torch.Generator(device="cuda").manual_seed(N + K + M)
     x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
     x[7] *= 100
@@ -197,7 +196,7 @@ def test_fp8_prefill_gpu_35b(N, K, M, monkeypatch):
     assert rel_err(out, x.float() @ dequantize(q, scale).T) < ACT_QUANT_TOL
     assert torch.equal(lin.linear(x, q, scale), out)
     assert gpu_kernels(lambda: lin.linear(x, q, scale)) == ["_quantize_activations_kernel", "_linear_kernel"]
-    monkeypatch.setattr(fp8_weights, "PREFILL", "dequantize")
+    monkeypatch.setattr(lin, "FP8_PREFILL", "dequantize")
     out = lin.linear(x, q, scale)
     assert out.dtype == torch.bfloat16 and rel_err(out, x.float() @ dequantize(q, scale).T) < 1e-2
     assert gpu_kernels(lambda: lin.linear(x, q, scale))[0] == "_dequantize_rows_kernel"
@@ -272,7 +271,7 @@ def test_fp8_prefill_quantizes_activations_in_a_prepass(M, N, K, cfg, reason, dt
 def test_fp8_prefill_public_op_runs_fp8_x_fp8(M, N, K, monkeypatch):
     """linear() above 64 rows with an fp8 weight and QMOE_FP8_PREFILL=fp8: the pre-pass, then the FP8 x FP8 tile
     (FP8_PREFILL_CONFIG)."""
-    monkeypatch.setattr(fp8_weights, "PREFILL", "fp8")
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     x = prefill_x(M, K, torch.float32, seed=K)
     out = lin.linear(x, q, scale)
@@ -321,7 +320,7 @@ def test_add_rms_norm_linear_fp8_prefill(M, monkeypatch):
     """The add + RMSNorm before an fp8 projection above 64 rows (QMOE_FP8_PREFILL=fp8): the norm kernel, then the
     pre-pass quantizes the normed rows (computed by a kernel, so the interpreter's conversion is made exact), then
     FP8 x FP8."""
-    monkeypatch.setattr(fp8_weights, "PREFILL", "fp8")
+    monkeypatch.setattr(lin, "FP8_PREFILL", "fp8")
     N, K = 40, 300
     x, q, scale = make(M, N, K, torch.float32, seed=M)
     gen = torch.Generator().manual_seed(2)
@@ -341,7 +340,7 @@ def test_fp8_prefill_default_dequantizes_then_runs_the_gemm(M, N, K):
     pass, then F.linear: the torch path's product exactly (naive.linear dequantizes in torch), no activation
     rounding (N = 13, not a multiple of 16 bytes: the dequantized weight runs the Triton tile, another summation
     order); the same through add_rms_norm_linear."""
-    assert fp8_weights.PREFILL == "dequantize"
+    assert lin.FP8_PREFILL == "dequantize"
     x, q, scale = make(M, N, K, torch.float32)
     got, want = lin.linear(x, q, scale), naive.linear(x, q, scale)
     assert torch.equal(got, want) if N % 4 == 0 else rel_err(got, want) < TOL[torch.float32]
