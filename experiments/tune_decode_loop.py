@@ -24,6 +24,7 @@ graph holds it) captured in a CUDA graph, replayed `--replays` times back to bac
     PYTHONPATH=. python experiments/tune_decode_loop.py [--out results/tune_decode_loop.json] [--write-tables]
         [--weights fp8 --out results/tune_decode_loop_fp8.json] [--skip-descent: parts only] [--step-only]
         [--only gdn_in out_proj moe_up ...: the descent over these entries alone]
+        [--model qwen35_moe_122b --weights fp8: the 122B-A10B FP8 step (its shapes' FP8 candidates)]
 """
 
 import argparse
@@ -89,6 +90,11 @@ FP8_GEMV_CANDIDATES = {
            (16, 1024, 4, 1, 0, 96)],
     4096: [(4, 4096, 4, 1), (2, 4096, 4, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (2, 2048, 4, 1), (4, 1024, 4, 2),
            (1, 4096, 4, 1, 4), (2, 4096, 4, 1, 3)],
+    # 122B-A10B (--model qwen35_moe_122b): K 3072 (the in-projections), 8192 (the out-projections)
+    3072: [(4, 1024, 4, 1), (8, 1024, 4, 1), (2, 1024, 4, 1), (16, 512, 4, 1), (8, 512, 4, 2), (4, 2048, 4, 1),
+           (2, 2048, 4, 1), (4, 4096, 4, 1), (8, 1024, 4, 1, 0, 64), (16, 1024, 4, 1, 0, 80), (16, 1024, 4, 1, 0, 96)],
+    8192: [(2, 2048, 4, 1), (4, 2048, 4, 1), (1, 4096, 4, 1), (2, 4096, 4, 1), (4, 4096, 8, 1), (4, 1024, 4, 2),
+           (8, 1024, 4, 1), (2, 2048, 4, 1, 0, 64)],
 }  # fmt: skip
 FP8_MOE_UP_CANDIDATES = [(8, 1024, 4, 2), (4, 2048, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 2), (4, 1024, 4, 2),
                          (16, 512, 8, 2), (8, 1024, 4, 2, 128), (8, 2048, 4, 1, 128)]  # fmt: skip
@@ -175,11 +181,11 @@ def projection_weights(model) -> dict:
     return {what: tensors[name] for what, name in PROJECTIONS.items()}
 
 
-def decode_model(weights: str, copy_gbs: float, cache_len: int = PROMPT_POS + 16) -> tuple:
-    """The 35B-A3B model (random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with caches of cache_len
-    positions for the step at PROMPT_POS -> (model, the step's floor in ms: its active weight bytes at copy_gbs).
-    The attention's split count follows the cache length: 3 at the default, 64 at run.py's 4608."""
-    cfg = config("model=qwen35_moe", f"model.weights={weights}")
+def decode_model(weights: str, copy_gbs: float, cache_len: int = PROMPT_POS + 16, name: str = "qwen35_moe") -> tuple:
+    """The model `name` (35B-A3B by default; random weights; "fp8": model.weights=fp8) on Triton ops, greedy, with
+    caches of cache_len positions for the step at PROMPT_POS -> (model, the step's floor in ms: its active weight
+    bytes at copy_gbs). The attention's split count follows the cache length: 3 at the default, 64 at 4608."""
+    cfg = config(f"model={name}", f"model.weights={weights}")
     model = get_model(cfg, validate(cfg), progress=False).model
     model.set_kernels({g: "triton" for g in TRITON_GROUPS}, greedy=True)
     model.setup_caches(1, cache_len)
@@ -277,11 +283,15 @@ def main():
     parser.add_argument("--only", nargs="+", choices=entries, default=entries, help="descend over these entries only")
     fp8_help = "fp8: the FP8 model's step; the descent then covers its FP8 projections and experts"
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help=fp8_help)
+    models = ("qwen35_moe", "qwen35_moe_122b")
+    parser.add_argument("--model", default=models[0], choices=models, help="qwen35_moe_122b: with --weights fp8")
     args = parser.parse_args()
+    if args.model != models[0] and args.weights != "fp8":
+        parser.error(f"--model {args.model} fits one H200 only with --weights fp8")
     t0 = time.time()
     ceil = ceilings("cuda")
-    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"])
-    out = dict(ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, replays=args.replays)
+    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"], name=args.model)
+    out = dict(model=args.model, ceilings=ceil, floor_ms=floor_ms, position=PROMPT_POS, replays=args.replays)
 
     def save():
         write_json(args.out, "tune_decode_loop", "cuda", **out, seconds=time.time() - t0)
