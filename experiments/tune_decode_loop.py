@@ -64,6 +64,9 @@ GEMV_CANDIDATES = {
            *PERSISTENT_CANDIDATES[2048]],
     4096: [(4, 4096, 8, 1), (2, 4096, 4, 1), (1, 4096, 4, 1), (4, 2048, 4, 1), (2, 2048, 4, 1), (8, 1024, 4, 2),
            *PERSISTENT_CANDIDATES[4096], *CAPPED_CANDIDATES[4096]],
+    # 122B-A10B's bf16 projections (lm_head, the MoE input projection), tuned in its FP8 run (main)
+    3072: [(4, 1024, 4, 1), (4, 1024, 4, 3), (2, 1024, 4, 3), (8, 1024, 4, 1), (8, 1024, 8, 2), (2, 2048, 4, 1),
+           (4, 2048, 4, 1), (8, 512, 4, 2), (16, 512, 8, 2), (1, 4096, 4, 1)],
 }  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): at 8 x 512 the up kernel takes 130 registers (sm_90), 3
 # programs per SM, so its 512 programs run in two waves; capped at 128 they fit one (in the step: within noise,
@@ -97,8 +100,10 @@ FP8_GEMV_CANDIDATES = {
            (8, 1024, 4, 1), (2, 2048, 4, 1, 0, 64)],
 }  # fmt: skip
 FP8_MOE_UP_CANDIDATES = [(8, 1024, 4, 2), (4, 2048, 4, 1), (8, 2048, 8, 1), (16, 1024, 8, 2), (4, 1024, 4, 2),
-                         (16, 512, 8, 2), (8, 1024, 4, 2, 128), (8, 2048, 4, 1, 128)]  # fmt: skip
-FP8_MOE_DOWN_CANDIDATES = [(4, 512, 4, 2), (8, 512, 4, 2), (2, 512, 4, 2), (8, 256, 4, 3), (4, 256, 4, 3)]
+                         (16, 512, 8, 2), (8, 1024, 4, 2, 128), (8, 2048, 4, 1, 128), (32, 512, 8, 2),
+                         (16, 512, 8, 3), (16, 256, 8, 3), (16, 512, 4, 2)]  # fmt: skip
+FP8_MOE_DOWN_CANDIDATES = [(4, 512, 4, 2), (8, 512, 4, 2), (2, 512, 4, 2), (8, 256, 4, 3), (4, 256, 4, 3),
+                           (2, 256, 4, 3), (4, 128, 4, 4), (8, 128, 4, 4)]  # fmt: skip
 # the mixers' DECODE_OPTIONS: attention's split count (num_splits() gives 3 at this cache) and warps, DeltaNet's value
 # splits per head and warps; {} is the launcher's own choice
 ATTENTION_CANDIDATES = [{"splits": s, "num_warps": w} for s in (1, 2, 3, 4) for w in (4, 8)]
@@ -319,15 +324,17 @@ def main():
     H, cfg_m = model.config.hidden_size, model.config
     E, I = cfg_m.num_experts, cfg_m.moe_intermediate_size
     params = named_tensors(model)
-    fp8_run = args.weights == "fp8"  # then only what the FP8 model holds in FP8 (the bf16 rest is the bf16 run's)
+    fp8_run = args.weights == "fp8"  # then only what the FP8 model holds in FP8 (the bf16 rest is the bf16 run's),
+    bf16_too = args.model != models[0]  # but a model with no bf16 run (too large for one GPU) tunes its bf16 rest
     rows, chosen = [], {"linear": {}, "moe": {}}
     for what, weight in projection_weights(model).items():
         (N, K), dtype = weight.shape, weight.dtype
-        if fp8_run != (dtype == torch.float8_e4m3fn) or what not in args.only:
+        fp8 = dtype == torch.float8_e4m3fn
+        if (fp8_run != fp8 and not bf16_too) or what not in args.only:
             continue
         key = linear_triton.shape_key(N, K, dtype)
         current = linear_triton.get_config(1, N, K, dtype, 132)
-        candidates = (FP8_GEMV_CANDIDATES if fp8_run else GEMV_CANDIDATES)[K]
+        candidates = (FP8_GEMV_CANDIDATES if fp8 else GEMV_CANDIDATES)[K]
         best = descend(model, args.replays, rows, what, key, current, [gemv_config(c) for c in candidates], set_gemv)
         chosen["linear"][key] = best
         out.update(descent=rows, chosen=chosen)
