@@ -11,7 +11,8 @@ This script measures the step itself:
    the step with PDL off. step - step_without_part = what the part costs in the loop, overlap included.
 2. In-loop coordinate descent over M = 1 launch configs, one shape at a time (lm_head, DeltaNet in_proj, the
    N = 2048, K = 4096 out projections, attention qkv, the MoE input projection, MoE up, MoE down; with
-   --weights fp8 the FP8 ones of these, from FP8 candidate lists with wider steps, and no mixers): each
+   --weights fp8 the FP8 ones of these, from FP8 candidate lists with wider steps, and no mixers, but for a model
+   with no bf16 run, the 122B, also its bf16 projections and mixers): each
    candidate replaces the table's entry, the step is captured and timed; the best so far stays for the next
    shape. `--write-tables` writes the winners into kernels/{linear,moe}/configs/<GPU>.json. Then the mixers'
    DECODE_OPTIONS (attention's splits and warps, DeltaNet's value splits and warps), reported in the JSON only
@@ -353,8 +354,8 @@ def main():
         down_cfgs = [{**best, "down": moe_part(c)} for c in down_list]
         best = descend(model, args.replays, rows, "moe_down", key, best, down_cfgs, set_moe)
     chosen["moe"][key] = best
-    mixers = () if fp8_run else (("attention", attention_triton, ATTENTION_CANDIDATES),
-                                 ("gdn", fused_recurrent, GDN_CANDIDATES))  # fmt: skip
+    mixers = () if fp8_run and not bf16_too else (("attention", attention_triton, ATTENTION_CANDIDATES),
+                                                  ("gdn", fused_recurrent, GDN_CANDIDATES))  # fmt: skip
     for what, module, candidates in mixers:
         if what not in args.only:
             continue
