@@ -115,11 +115,15 @@ def test_fp8_configs_and_inputs_are_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(12352, 2048), (9216, 2048), (1281, 2048), (2048, 512), (248320, 2048)])
+@pytest.mark.parametrize(
+    "N,K", [(12352, 2048), (9216, 2048), (1281, 2048), (2048, 512), (248320, 2048), (20608, 3072), (17408, 3072),
+            (3072, 8192), (2305, 3072)],
+)  # fmt: skip
 @pytest.mark.parametrize("M", [1, 8, 64, 65])
 def test_fp8_linear_gpu_bf16(N, K, M):
-    """35B projection shapes (gdn_in, attn_qkv, moe_in, shared_down, lm_head) in bf16 on the GPU's table configs
-    (the H200's register-capped in-projection entries included; else the defaults; above 64 rows:
+    """35B projection shapes (gdn_in, attn_qkv, moe_in, shared_down, lm_head) and the 122B's FP8 ones (gdn_in,
+    attn_qkv, the out-projections, moe_in; their M = 1 entries tuned in its decode loop) in bf16 on the GPU's table
+    configs (the H200's register-capped in-projection entries included; else the defaults; above 64 rows:
     the dequantized weight and cuBLAS), against fp32 on the dequantized weight: the bf16 activations' and output's
     rounding only; a CUDA-graph replay equals eager."""
     from tests.helpers import captured

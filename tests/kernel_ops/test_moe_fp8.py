@@ -254,11 +254,12 @@ def test_fp8_scales_and_configs_are_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8, 64, 65])
 @pytest.mark.parametrize("shared_fp8", [True, False], ids=["block format", "shared expert dense"])
-def test_fp8_moe_block_gpu_35b(M, shared_fp8):
-    """35B shapes (E 256, H 2048, I = Is = 512, top-8) in bf16 on the default configs against the fp32 block on the
-    dequantized weights; bit-reproducible."""
+@pytest.mark.parametrize("H,I", [(2048, 512), (3072, 1024)], ids=["35B", "122B"])
+def test_fp8_moe_block_gpu(H, I, M, shared_fp8):
+    """35B and 122B shapes (E 256, H, I = Is, top-8) in bf16 on the GPU's table configs against the fp32 block on
+    the dequantized weights; bit-reproducible."""
     torch.manual_seed(M)
-    E, H, I, K = 256, 2048, 512, 8
+    E, K = 256, 8
     x = torch.randn(M, H, device="cuda").bfloat16()
     w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
     w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
