@@ -251,18 +251,25 @@ def test_fp8_scales_and_configs_are_checked():
         moe.moe_block_decode(*args, 2, gemv_config(128, 96), None, s13, s2, s_shared)
 
 
+# (H, I, M): the 35B at decode sizes and past them (the prefill path); the 122B's decode entries (tuned in its loop)
+MOE_GPU_CASES = [(2048, 512, M) for M in (1, 8, 64, 65)] + [(3072, 1024, M) for M in (1, 8)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 64, 65])
 @pytest.mark.parametrize("shared_fp8", [True, False], ids=["block format", "shared expert dense"])
-@pytest.mark.parametrize("H,I", [(2048, 512), (3072, 1024)], ids=["35B", "122B"])
+@pytest.mark.parametrize(
+    "H,I,M", MOE_GPU_CASES, ids=[f"{'35B' if h == 2048 else '122B'} M{m}" for h, _, m in MOE_GPU_CASES]
+)
 def test_fp8_moe_block_gpu(H, I, M, shared_fp8):
     """35B and 122B shapes (E 256, H, I = Is, top-8) in bf16 on the GPU's table configs against the fp32 block on
-    the dequantized weights; bit-reproducible."""
+    the routed experts' dequantized weights (their router columns: the renormalised top-k weights are the same; the
+    other experts' fp32 copies would not fit beside the test's parallel workers at 122B); bit-reproducible."""
     torch.manual_seed(M)
     E, K = 256, 8
     x = torch.randn(M, H, device="cuda").bfloat16()
-    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda") / H**0.5)
-    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda") / I**0.5)
+    bf16 = torch.bfloat16
+    w13, s13 = quantize_rows(torch.randn(E, 2 * I, H, device="cuda", dtype=bf16) / H**0.5)
+    w2, s2 = quantize_rows(torch.randn(E, H, I, device="cuda", dtype=bf16) / I**0.5)
     shared, s_shared = quantize_rows(torch.randn(H, I, device="cuda") / I**0.5)
     if not shared_fp8:
         shared, s_shared = dequantize(shared, s_shared, torch.bfloat16), None
@@ -271,7 +278,10 @@ def test_fp8_moe_block_gpu(H, I, M, shared_fp8):
     out = moe.moe_block(*args, K, *scales)
     f32 = torch.float32
     shared32 = shared.float() if s_shared is None else dequantize(shared, s_shared)
-    ref = naive.moe_block(x.float(), proj.float(), dequantize(w13, s13, f32), dequantize(w2, s2, f32), shared32, K)
+    used = naive.route(proj[:, :E].float(), K)[1].unique()
+    sub_proj = torch.cat([proj[:, used], proj[:, E:]], 1).float()
+    w13_used, w2_used = dequantize(w13[used], s13[used], f32), dequantize(w2[used], s2[used], f32)
+    ref = naive.moe_block(x.float(), sub_proj, w13_used, w2_used, shared32, K)
     assert rel_err(out, ref) < (PREFILL_ACT_TOL if M > moe.DECODE_MAX_M else 2e-2)  # prefill: FP8 x FP8 experts
     assert torch.equal(moe.moe_block(*args, K, *scales), out)
 
