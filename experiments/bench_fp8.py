@@ -51,6 +51,7 @@ import triton  # noqa: E402
 from bench_gemv import model_config, model_shapes  # noqa: E402
 from bench_moe import make_inputs  # noqa: E402
 from benchlib import copy_bandwidth_gbs, print_targets, target, time_calls, write_json  # noqa: E402
+from tune_moe import launch  # noqa: E402
 
 from kernels.fp8 import FP8, dequantize, k_blocks, quantize_into, quantize_rows  # noqa: E402
 from kernels.linear import triton as lin  # noqa: E402
@@ -250,8 +251,7 @@ PREFILL_FP8_TILES = [
 
 
 def tile_config(block_m, sub, up, down) -> dict:
-    part = lambda t: dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), t))  # noqa: E731
-    return {"BLOCK_M": block_m, "SUB_TILES": sub, "up": part(up), "down": part(down)}
+    return {"BLOCK_M": block_m, "SUB_TILES": sub, "up": launch(up), "down": launch(down)}
 
 
 def sorted_experts(i, routed, w, scales, scratch, config):
