@@ -720,11 +720,17 @@ def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], N)
 
 
+def _scale_and_out(scale_out: tuple) -> tuple:
+    """An out-variant's trailing arguments ([scale,] out) -> (scale or None, out)."""
+    *scale, out = scale_out
+    return scale[0] if scale else None, out
+
+
 def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
     """linear(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous, x's dtype): the
     out-variant an exported method uses to compute its output straight into the planned buffer."""
-    *scale, out = scale_out
-    return _linear(x, weight, out, scale[0] if scale else None)
+    scale, out = _scale_and_out(scale_out)
+    return _linear(x, weight, out, scale)
 
 
 @torch.library.custom_op("qmoe::linear", mutates_args=())
@@ -753,8 +759,8 @@ def _logits(x, weight, out=None, scale=None) -> torch.Tensor:
 def logits_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
     """logits(x, weight[, scale]) written into `out` [..., N] (the last argument; contiguous fp32): the
     out-variant of an exported method whose output is the logits."""
-    *scale, out = scale_out
-    return _logits(x, weight, out, scale[0] if scale else None)
+    scale, out = _scale_and_out(scale_out)
+    return _logits(x, weight, out, scale)
 
 
 @torch.library.custom_op("qmoe::logits", mutates_args=())
