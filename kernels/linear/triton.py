@@ -43,6 +43,7 @@ time. The config chosen for each (N, K, dtype, M) is cached with its grid, so an
 and one launch (two with split-K).
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -599,10 +600,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
             )
 
 
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [..., K] -> (t, the stride between its rows) when the kernels can read it as it is: 2-D with contiguous
+    rows, or contiguous; else (a contiguous copy, K). No view is made for the common cases: each is a dispatcher
+    call, ~1.5 us of an eager decode op's host time on the H200 host."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t, t.stride(0)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t, t.shape[-1]
+
+
 def linear_into(
     x, weight, out, config=None, workspace=None, scale=None, quantize_x=False, norm=None, x_scale=None, round_x=False
 ) -> torch.Tensor:
-    """out [M, N] (contiguous, out's dtype) = x [M, K] @ weight[N, K]^T with the Triton kernel at any M.
+    """out [..., N] (contiguous, out's dtype) = x [..., K] @ weight[N, K]^T with the Triton kernel at any M, the
+    number of x's rows (its leading dimensions need no flattening: see _rows).
     config overrides the table (tests, tuner); workspace [SPLIT, M, N] fp32 is the split-K scratch (tests pass
     NaN-filled ones, so a partial the kernel forgets to write reaches the output; allocated here when None);
     scale: the fp32 [N, ceil(K / 128)] scale of an fp8 weight. FP8 x FP8 (an fp8 weight and a dot-path config
@@ -613,11 +626,13 @@ def linear_into(
     x is first replaced by rms_norm(x + residual) * (1 + norm_weight), which is written to normed, and x + residual
     to hidden. round_x: the result is rounded to x's dtype before it is stored in out's (fp32 logits; not with
     split-K or an fp8 x)."""
-    M, K = x.shape
-    N = weight.shape[0]
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else math.prod(x.shape[:-1])
     fp8 = scale is not None
     fp8_x = quantize_x or x_scale is not None
-    x = x if x.stride(1) == 1 else x.contiguous()  # a row stride is handled in the kernel; a K stride is not
+    if not out.is_contiguous() or out.numel() != M * N:
+        raise ValueError(f"linear_into: out must be contiguous with {M} x {N} elements, got {list(out.shape)}")
+    x, stride_xm = _rows(x)  # a row stride is handled in the kernel; a K stride is not
     if fp8_x and fp8 and config is None:
         grid, split, k_per_split, meta = fp8_prefill_plan(M, N, K)
     elif config is not None or fp8_x:  # make_plan checks the config (and refuses FP8 x FP8 without fp8 weights)
@@ -629,7 +644,8 @@ def linear_into(
     if quantize_x and x_scale is not None:
         raise ValueError("linear_into: pass quantize_x (x is quantized here) or x_scale (x is fp8 already), not both")
     if quantize_x:
-        x, x_scale = quantize_activations(x)
+        x, x_scale = quantize_activations(x.view(M, K))
+        stride_xm = K
     elif fp8_x and (x.dtype != FP8 or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (M, k_blocks(K))
                     or x_scale.stride(1) != 1):  # fmt: skip
         raise ValueError(
@@ -641,27 +657,27 @@ def linear_into(
     s, stride_sn = (scale, scale.stride(0)) if fp8 else (weight, 0)  # s unused without SCALED
     xs, stride_xsm = (x_scale, x_scale.stride(0)) if fp8_x else (s, 0)  # xs unused without X_FP8
     if norm is None:
-        residual, norm_weight, eps, normed, hidden = x, x, 0.0, x, x  # unused pointers
+        residual, norm_weight, eps, normed, hidden, stride_rm = x, x, 0.0, x, x, 0  # unused pointers
     elif meta["BLOCK_M"] != 1:
         raise ValueError(f"linear_into: the fused add + RMSNorm runs on the GEMV path (BLOCK_M = 1), got {meta}")
     else:
-        residual, norm_weight, eps, normed, hidden = norm
-        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        residual, norm_weight, eps, normed, hidden = norm  # normed, hidden: contiguous, x's shape
+        residual, stride_rm = _rows(residual)
     on = pdl(x)
     if meta.get("PERSISTENT"):
         meta = meta.copy()  # the plan's, without its two keys that are no kernel arguments (a copy: ~0.4 us less)
         del meta["BLOCK_M"], meta["PERSISTENT"]
         _gemv_persistent_kernel[grid](
             x, weight, out, s, N, K, weight.stride(0), stride_sn, residual, norm_weight, normed, hidden,
-            residual.stride(0), eps, NORM=norm is not None, PDL=on, ROUND_X=round_x, launch_pdl=on, **meta,
+            stride_rm, eps, NORM=norm is not None, PDL=on, ROUND_X=round_x, launch_pdl=on, **meta,
         )  # fmt: skip
         return out
     if split > 1 and workspace is None:
         workspace = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _linear_kernel[grid](
         x, weight, out if split == 1 else workspace, s, M, N, K,
-        x.stride(0), weight.stride(0), stride_sn, k_per_split, split,
-        residual, norm_weight, normed, hidden, residual.stride(0), eps, xs, stride_xsm,
+        stride_xm, weight.stride(0), stride_sn, k_per_split, split,
+        residual, norm_weight, normed, hidden, stride_rm, eps, xs, stride_xsm,
         NORM=norm is not None, PDL=on, ROUND_X=round_x, launch_pdl=on, **meta,
     )  # fmt: skip
     if split > 1:
@@ -696,28 +712,22 @@ def _prefill_gemm(x, weight, out=None) -> torch.Tensor:
     padded = padded_rows(weight) if out is None else None
     if padded is not None:
         return F.linear(x, padded)[..., :N]
-    M = x.numel() // K
-    out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device) if out is None else out
-    linear_into(x.reshape(M, K), weight, out.view(M, N), config=UNALIGNED_N_CONFIG)
-    return out
+    out = x.new_empty((*x.shape[:-1], N)) if out is None else out
+    return linear_into(x, weight, out, config=UNALIGNED_N_CONFIG)
 
 
 def _linear(x, weight, out=None, scale=None) -> torch.Tensor:
     _check(x, weight, scale)
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
-    if scale is not None and M > MAX_M and K and FP8_PREFILL == "fp8":  # FP8 x FP8: the pre-pass, then the GEMM
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-        linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, quantize_x=True)
-        return out.view(*x.shape[:-1], N)
     if M > MAX_M or M == 0 or K == 0:
+        if scale is not None and M and K and FP8_PREFILL == "fp8":  # FP8 x FP8: the pre-pass, then the GEMM
+            out = x.new_empty((*x.shape[:-1], N)) if out is None else out
+            return linear_into(x, weight, out, scale=scale, quantize_x=True)
         weight = weight if scale is None else dequantize_rows(weight, scale, x.dtype)  # per call
         return _prefill_gemm(x, weight, out)
-    # each reshape / view is a dispatcher call (~2 us of host time, eager): only where the shapes need one
-    x2 = x if x.dim() == 2 else x.reshape(M, K)
-    out2 = x.new_empty((M, N)) if out is None else out.view(M, N)  # torch.empty's dtype / device: ~0.5 us more
-    linear_into(x2, weight, out2, scale=scale)
-    return out2 if x.dim() == 2 else out2.view(*x.shape[:-1], N)
+    out = x.new_empty((*x.shape[:-1], N)) if out is None else out  # torch.empty's dtype / device: ~0.5 us more
+    return linear_into(x, weight, out, scale=scale)
 
 
 def _scale_and_out(scale_out: tuple) -> tuple:
@@ -751,9 +761,8 @@ def _logits(x, weight, out=None, scale=None) -> torch.Tensor:
     if M > MAX_M or M == 0 or K == 0 or cached_plan(M, N, K, plan_dtype, x.device)[1] > 1:  # the cast's launch
         logits = _linear(x, weight, scale=scale)
         return logits.float() if out is None else out.copy_(logits)  # copy_ casts into out: one kernel
-    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32, device=x.device) if out is None else out
-    linear_into(x.reshape(M, K), weight, out.view(M, N), scale=scale, round_x=True)
-    return out
+    out = x.new_empty((*x.shape[:-1], N), dtype=torch.float32) if out is None else out
+    return linear_into(x, weight, out, scale=scale, round_x=True)
 
 
 def logits_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) -> torch.Tensor:
@@ -783,11 +792,9 @@ def _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
         # M = 8 than the norm kernel), so the norm kernel runs first, then the projection.
         normed, hidden = norm_triton.add_rms_norm(x, residual, norm_weight, eps)
         return _linear(normed, weight, scale=scale), normed, hidden
-    out = x.new_empty(M, N)
-    normed, hidden = x.new_empty(x.shape), x.new_empty(x.shape)
-    norm = (residual.reshape(M, K), norm_weight, eps, normed.view(M, K), hidden.view(M, K))
-    linear_into(x.reshape(M, K), weight, out, scale=scale, norm=norm)
-    return out.view(*x.shape[:-1], N), normed, hidden
+    out, normed, hidden = x.new_empty((*x.shape[:-1], N)), x.new_empty(x.shape), x.new_empty(x.shape)
+    linear_into(x, weight, out, scale=scale, norm=(residual, norm_weight, eps, normed, hidden))
+    return out, normed, hidden
 
 
 @torch.library.custom_op("qmoe::add_rms_norm_linear", mutates_args=())

@@ -292,6 +292,28 @@ def test_add_rms_norm_linear_into(M, N, K, cfg, reason, dtype):
     assert torch.equal(hidden, x + residual), reason  # one rounding of the sum, as the norm kernel
 
 
+def test_leading_dims_read_in_place():
+    """linear_into reads x, residual and out with their leading dimensions as they are (the model's [B, T, K]
+    activations: no view per call): a contiguous [2, 3, K] x, a residual whose rows do not collapse to one stride
+    (copied), [2, 3, ...] outputs; all NaN-poisoned. out must be contiguous with M x N elements."""
+    M, N, K = 6, 37, 53
+    x, residual, nw = norm_inputs(M, K, torch.float32, seed=3)
+    w = make(1, N, K, torch.float32, seed=4)[1]
+    wide = torch.full((3, 2, K + 7), float("nan"))
+    wide[..., :K] = residual.view(2, 3, K).transpose(0, 1)
+    residual_view = wide[..., :K].transpose(0, 1)  # [2, 3, K], rows 2 (K + 7) and K + 7 apart
+    assert residual_view.shape == (2, 3, K) and not residual_view.is_contiguous()
+    out, normed, hidden = poisoned(2, 3, N), poisoned(2, 3, K), poisoned(2, 3, K)
+    norm = (residual_view, nw, 1e-6, normed, hidden)
+    lin.linear_into(x.view(2, 3, K), w, out, config=config(1, 8, 16), norm=norm)
+    for got, ref in zip((out, normed, hidden), norm_reference(x, residual, nw, w)):
+        assert got.shape[:2] == (2, 3) and rel_err(got.reshape(M, -1), ref) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        lin.linear_into(x, w, poisoned(N, M).t(), config=config(1, 8, 16))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        lin.linear_into(x, w, poisoned(M, N + 1), config=config(1, 8, 16))
+
+
 @pytest.mark.parametrize("M", [1, 5, 65], ids=["M1 GEMV", "M5 norm kernel + dot", "M65 norm kernel + cuBLAS"])
 def test_add_rms_norm_linear(M):
     """The public op with default configs on every path; the torch path is the reference composed of the two ops."""
