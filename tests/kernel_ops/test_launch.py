@@ -3,6 +3,7 @@ compiled kernel's launcher; every launch must compute what Triton's own launch c
 interpreter runs kernels unwrapped)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,34 +88,66 @@ def test_fast_launches_run_on_the_current_stream_and_capture():
     torch.testing.assert_close(out, x * 2.0, rtol=0, atol=0)
 
 
+def bound(args, kwargs=None, device=0, fast=None):
+    """(key, launcher arguments) of a call to a kernel of args and a BLOCK constexpr (or to `fast`), as the fast path
+    binds them; no GPU needed."""
+    fast = fast or launch.FastLaunch(SimpleNamespace(arg_names=[f"a{i}" for i in range(len(args))] + ["BLOCK"]))
+    return fast._bind(device, args, {"BLOCK": 16} if kwargs is None else kwargs)
+
+
 def test_key_separates_what_triton_specializes_on():
     """The fast path's key must be at least as fine as Triton's specialization: a 16-byte misaligned pointer, another
-    dtype, another int (divisibility, == 1), a bool for an int, None for 0 are new keys; float values are not
-    (Triton passes every float as fp32)."""
+    dtype, another int (divisibility, == 1), a bool for an int, None for 0, another constexpr, another device are new
+    keys; float values are not (Triton passes every float as fp32)."""
     base = torch.zeros(64)
 
-    def key(args):
-        return launch._key_and_pointers(args)[0]
+    def key(*args, **kwargs):
+        return bound(args, **kwargs)[0]
 
-    assert key((base[:8],)) == key((base[16:24],))  # both 16-byte aligned (64 bytes apart)
-    assert key((base[:8],)) != key((base[1:9],))  # 4 bytes off
-    assert key((base[:8],)) != key((base.half()[:8],))  # dtype
-    assert key((16,)) != key((17,)) and key((1,)) != key((2,))
-    assert key((1,)) != key((True,)) and key((None,)) != key((0,))
-    assert key((0.5,)) == key((2.0,)) and key((0.5,)) != key((0,))
+    assert key(base[:8]) == key(base[16:24])  # both 16-byte aligned (64 bytes apart)
+    assert key(base[:8]) != key(base[1:9])  # 4 bytes off
+    assert key(base[:8]) != key(base.half()[:8])  # dtype
+    assert key(16) != key(17) and key(1) != key(2)
+    assert key(1) != key(True) and key(None) != key(0) and key(1) != key(1.0)
+    assert key(0.5) == key(2.0) and key(0.5) != key(0)
+    assert key(base[:8], kwargs={"BLOCK": 32}) != key(base[:8]) != key(base[:8], device=1)
 
 
 def test_launcher_gets_tensors_as_their_pointers():
     """The compiled launcher is handed each tensor as its data pointer (an int: no data_ptr() call and driver query
-    per tensor per launch), every other argument as it is; a tensor's key names its device type, so a CPU tensor
-    never reuses a GPU tensor's entry (its first launch goes through Triton, which refuses it)."""
+    per tensor per launch), every other argument as it is, then the keyword parameters in the kernel's order; a
+    tensor's key names its device type, so a CPU tensor never reuses a GPU tensor's entry (its first launch goes
+    through Triton, which refuses it)."""
     base = torch.zeros(64)
     view = base[3:11]
     args = (view, 7, 0.5, None, True, base)
-    key, run = launch._key_and_pointers(args)
-    assert run == [view.data_ptr(), 7, 0.5, None, True, base.data_ptr()]
+    fast = launch.FastLaunch(SimpleNamespace(arg_names=["v", "i", "f", "n", "b", "t", "BLOCK", "OTHER"]))
+    key, run = bound(args, {"OTHER": 2, "BLOCK": 16}, fast=fast)
+    assert run == [view.data_ptr(), 7, 0.5, None, True, base.data_ptr(), 16, 2]
     assert all(type(p) is int for p in (run[0], run[5]))
-    assert key[0] == (torch.float32, False, view.data_ptr() & 15)
+    assert (torch.float32, False, view.data_ptr() & 15) == key[2:5]
+
+
+def test_one_binder_per_pattern():
+    """Calls whose argument classes or keyword names differ get binders of their own, made once and reused as the
+    patterns alternate (the linear kernel's fused norm passes a Parameter where the plain launch passes a tensor);
+    a binder refuses a call of another pattern; a keyword parameter left to its default means no binder (such
+    calls always go through Triton)."""
+    weight = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+    x = torch.zeros(8)
+    fast = launch.FastLaunch(SimpleNamespace(arg_names=["x", "y", "BLOCK"]))
+    keys = set()
+    for _ in range(3):
+        keys.add(bound((x, x), fast=fast)[0])
+        keys.add(bound((x, weight), fast=fast)[0])
+        keys.add(bound((x, 3), fast=fast)[0])
+    assert len(fast.binders) == 3 and len(keys) == 3
+    bind_tensor_tensor = fast.binders[-1]
+    assert bind_tensor_tensor(0, (x, weight), {"BLOCK": 16}) is None  # another class
+    with pytest.raises(KeyError):
+        bind_tensor_tensor(0, (x, x), {"OTHER": 16})  # other keyword names
+    assert bound((x, x), {}, fast=fast) is None  # BLOCK by its default: through Triton
+    assert len(fast.binders) == 3
 
 
 @pytest.mark.gpu
