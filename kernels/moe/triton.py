@@ -172,14 +172,16 @@ def check_scales(config: dict, w13, w2, shared_down_proj, w13_scale, w2_scale, s
     for name, (w, scale) in pairs.items():
         if w is None:  # the routed experts alone (fused_moe)
             continue
+        if scale is None:
+            if w.dtype == FP8:
+                raise ValueError(f"moe: {name} is float8_e4m3fn but has no scale")
+            continue
         want = (*w.shape[:-1], k_blocks(w.shape[-1]))
-        if scale is not None and (w.dtype != FP8 or scale.dtype != torch.float32 or tuple(scale.shape) != want):
+        if w.dtype != FP8 or scale.dtype != torch.float32 or tuple(scale.shape) != want:
             raise ValueError(
                 f"moe: {name} with a scale must be float8_e4m3fn with a float32 scale {list(want)}, "
                 f"got {w.dtype} and {scale.dtype} {list(scale.shape)}"
             )
-        if scale is None and w.dtype == FP8:
-            raise ValueError(f"moe: {name} is float8_e4m3fn but has no scale")
     fp8 = w13_scale is not None, shared_down_scale is not None
     steps = config["up"]["BLOCK_K"], config["down"]["BLOCK_K"]
     if any(fp8) and config["BLOCK_M"] > 1 and max(steps) > SCALE_BLOCK_K:
