@@ -1,4 +1,5 @@
-"""Arrival counters of the kernels whose last program to arrive finishes the work (no program ever waits)."""
+"""Device buffers that outlive a launch: the arrival counters of kernels whose last program to arrive finishes the
+work (no program ever waits), and the workspaces of ops whose launches pass partial results through memory."""
 
 import torch
 
@@ -20,4 +21,27 @@ class ArrivalCounters:
         if buf is None:
             assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
             buf = self.buffers[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
+        return buf
+
+
+class Workspaces:
+    """`workspace(shape, dtype, device)` -> one buffer per (shape, dtype, device), never freed, its contents left
+    by the last call: scratch that an op's launches write before they read it (split partials, routing ids), so
+    an eager decode call allocates only its result (each torch.empty is ~3.5 us of host time on the H200 host,
+    results/host_overhead.json; a 35B eager step made ~170 for scratch). Invariants:
+    - ArrivalCounters' last two: never freed (the first call at a shape comes before any capture) and
+      stream-ordered use;
+    - one instance per op, never shared between ops: two calls of one op have other launches between them, and
+      its kernels touch the workspace only after their PDL wait (every earlier launch has completed by then);
+    - written before read in every call: tests poison a workspace between calls, so a forgotten write shows."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (shape, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None:
+            assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "warm up before capture"
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return buf

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.counters import ArrivalCounters
+from kernels.counters import ArrivalCounters, Workspaces
 from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 
@@ -352,6 +352,8 @@ def _prefill_config(D: int, dtype: torch.dtype) -> dict:
 
 # the decode kernel's counters, one per (row, kv head): its last split to arrive merges (invariants: ArrivalCounters)
 split_arrivals = ArrivalCounters()
+# the decode kernel's split partials (o_part, lse_part), written before they are read (invariants: Workspaces)
+decode_workspace = Workspaces()
 
 
 def decode_attention_into(
@@ -441,8 +443,8 @@ def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_
     out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
     if T == 1:
         splits = DECODE_OPTIONS.get("splits") or num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
-        o_part = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+        o_part = decode_workspace((B, HQ, splits, D), torch.float32, q.device)
+        lse_part = decode_workspace((B, HQ, splits), torch.float32, q.device)
         args = (q_weight, k_weight, k_cache, v_cache, positions, inv_freq, eps, scale, out, o_part, lse_part)
         options = {name: value for name, value in DECODE_OPTIONS.items() if name != "splits"} or None
         decode_attention_into(q, gate, k, v, *args, options=options)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import ArrivalCounters
+from kernels.counters import ArrivalCounters, Workspaces
 from kernels.gdn.gates import gates
 from kernels.launch import fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
@@ -187,6 +187,8 @@ DECODE_OPTIONS: dict = {}
 reader_counters = ArrivalCounters()
 # one per (row, value head): the last value split to arrive normalises the head's row
 norm_arrivals = ArrivalCounters()
+# each split's partial sum of squares for its head's gated norm, written before it is read (invariants: Workspaces)
+decode_workspace = Workspaces()
 
 
 # Value splits are added only below this many programs. Measured in the 35B decode step (H200, the in-loop descent
@@ -242,7 +244,7 @@ def gated_delta_net_decode(
     splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv)
     BK, BV = next_power_of_2(dk), next_power_of_2(dv) // splits
     assert BV >= 1 and BV * splits == next_power_of_2(dv), "splits: a power of two up to the value head dim"
-    sumsq = torch.empty(B * nv * splits, dtype=torch.float32, device=device)
+    sumsq = decode_workspace((B * nv * splits,), torch.float32, device)
     kw = conv_weight.shape[-1]
     on = pdl(mixed_qkv)
     _decode_kernel[(B, nv, splits)](

@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.counters import Workspaces
 from kernels.fp8 import BLOCK_K as SCALE_BLOCK_K
 from kernels.fp8 import FP8, dequantize_rows, k_blocks, quantize_activations
 from kernels.launch import cdiv, fast_launch, next_power_of_2
@@ -724,24 +725,25 @@ def _moe_down_decode_kernel(
             tl.store(out_ptr + tokens[:, None] * H + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# the decode launches' h, routing weights and ids (partials, counters): written by the up kernel before the down
+# kernel reads them, in every call (invariants: Workspaces)
+decode_workspace = Workspaces()
+
+
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
-    """The decode launches' buffers, allocated per call (the caching allocator keeps them cheap and a CUDA graph
-    keeps their addresses): h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
-    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)]; out [M, H]. The GEMV path (BLOCK_M = 1) needs
-    neither partials nor counters."""
+    """The decode launches' buffers: h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
+    i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)], these three from decode_workspace (the same buffers
+    in every call of a shape: an eager call allocates only its result); out [M, H], allocated per call. The GEMV
+    path (BLOCK_M = 1) needs neither partials nor counters."""
     M, H = x.shape
     P = M * top_k
-    if config["BLOCK_M"] == 1:  # GEMV path: no partials, no counters
-        return {
-            "h": x.new_empty(P, I),
-            "f32": x.new_empty(P, dtype=torch.float32),
-            "i32": x.new_empty(P, dtype=torch.int32),
-            "out": x.new_empty(M, H),
-        }
+    gemv = config["BLOCK_M"] == 1
+    f32 = P if gemv else P + M * (top_k + 1) * H
+    i32 = P if gemv else P + cdiv(H, config["down"]["BLOCK_N"])
     return {
-        "h": x.new_empty(P, I),
-        "f32": x.new_empty(P + M * (top_k + 1) * H, dtype=torch.float32),
-        "i32": x.new_empty(P + cdiv(H, config["down"]["BLOCK_N"]), dtype=torch.int32),
+        "h": decode_workspace((P, I), x.dtype, x.device),
+        "f32": decode_workspace((f32,), torch.float32, x.device),
+        "i32": decode_workspace((i32,), torch.int32, x.device),
         "out": x.new_empty(M, H),
     }
 

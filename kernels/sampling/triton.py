@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.counters import ArrivalCounters
+from kernels.counters import ArrivalCounters, Workspaces
 from kernels.launch import cdiv, fast_launch, next_power_of_2
 from kernels.pdl import allow_dependents, pdl, wait_for_producers
 from kernels.sampling.naive import INVALID_TOKEN
@@ -1518,6 +1518,8 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
 
 # one counter per row: the row's last chunk to arrive combines the row's chunks (invariants: ArrivalCounters)
 greedy_arrivals = ArrivalCounters()
+# each chunk's maximum and its index, written before the row's last chunk reads them (invariants: Workspaces)
+greedy_workspace = Workspaces()
 
 
 @fast_launch
@@ -1588,8 +1590,8 @@ def launch_greedy(
     if num_warps is None:
         num_warps = 8 if logits.is_cuda else 1
     chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks
-    part_max = torch.empty(B, split, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(B, split, dtype=torch.int32, device=logits.device)
+    part_max = greedy_workspace((B, split), torch.float32, logits.device)
+    part_idx = greedy_workspace((B, split), torch.int32, logits.device)
     on = pdl(logits)
     _greedy_kernel[(split, B)](
         logits, logits.stride(0), B, V, part_max, part_idx, greedy_arrivals(B, logits.device), out, split,
