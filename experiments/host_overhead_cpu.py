@@ -5,11 +5,12 @@ CPU allocations cost about what the caching allocator's do); the H200 launch tab
 
   ops    µs per call (median of 5 loops of 2,000 calls) at 35B-A3B decode shapes, M = 1, bf16: linear (out_proj),
          add_rms_norm_linear (a DeltaNet in_proj with its input norm), moe_block (two launches).
-  model  Python function calls and wall µs per eager decode step of the reference runner (kernels=triton) on a
-         40-layer model of the tiny model's widths (the 35B's layer pattern): a cProfile's call count, then the
-         functions with the most calls.
+  model  wall µs per eager decode step of the reference runner (kernels=triton) on a 40-layer model of the tiny
+         model's widths (the 35B's layer pattern; median of 3 loops), then a cProfile of the same steps: Python
+         function calls, the torch calls that go through the dispatcher (allocations, views: ~1.5-3.5 µs each on
+         the H200 host, where they cost more than here) per step, and the functions with the most calls.
 
-    PYTHONPATH=. python experiments/host_overhead_cpu.py [--sections ops model] [--steps 20]
+    PYTHONPATH=.:experiments python experiments/host_overhead_cpu.py [--sections ops model] [--steps 20] [--out F]
 """
 
 import os
@@ -21,12 +22,13 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from benchlib import host_us_per_call
+from benchlib import host_us_per_call, write_json
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -35,6 +37,11 @@ from kernels.linear import triton as linear_triton
 from kernels.moe import triton as moe_triton
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+ALLOCATIONS = {"new_empty", "empty", "empty_like", "zeros", "zeros_like", "full_like", "new_zeros"}
+DISPATCHED = ALLOCATIONS | {"view", "reshape", "flatten", "view_as", "split_with_sizes", "chunk", "narrow", "select",
+                            "as_strided", "unbind", "clone", "copy_", "where", "contiguous", "fill_"}  # fmt: skip
 
 
 def _stub_run(*args):
@@ -89,10 +96,12 @@ def model_section(steps: int) -> dict:
     runner.start(torch.zeros(1, 4, dtype=torch.int64))
     for _ in range(3):
         runner.step(token)
-    start = time.perf_counter()
-    for _ in range(steps):
-        runner.step(token)
-    wall_us = (time.perf_counter() - start) * 1e6 / steps
+    loops = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.step(token)
+        loops.append((time.perf_counter() - start) * 1e6 / steps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -100,28 +109,49 @@ def model_section(steps: int) -> dict:
     profiler.disable()
     stats = pstats.Stats(profiler)
     calls = sum(nc for _, nc, _, _, _ in stats.stats.values())
+    torch_calls = {}  # the builtins of torch / Tensor that dispatch (not data_ptr, stride, dim, ...: plain getters)
+    for (file, _, name), (_, nc, _, _, _) in stats.stats.items():
+        op = (name.split("'")[1] if "'" in name else name.removeprefix("<built-in method ").rstrip(">")).rsplit(".", 1)[
+            -1
+        ]
+        if file == "~" and op in DISPATCHED:
+            torch_calls[op] = torch_calls.get(op, 0) + nc / steps
     text = io.StringIO()
     for key in ("ncalls", "tottime"):
         text.write(f"\n==== sorted by {key}, {steps} steps\n")
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(25)
     print(text.getvalue())
-    return {"python_calls_per_step": calls / steps, "wall_us_per_step": wall_us}
+    return {
+        "wall_us_per_step": statistics.median(loops),
+        "wall_us_per_step_loops": loops,
+        "python_calls_per_step": calls / steps,
+        "torch_calls_per_step": sum(torch_calls.values()),
+        "allocations_per_step": sum(n for op, n in torch_calls.items() if op in ALLOCATIONS),
+        "torch_calls_by_op": dict(sorted(torch_calls.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["ops", "model"], choices=["ops", "model"])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", help="a JSON of both sections (with the environment and commit)")
     args = parser.parse_args()
     assert FastLaunch.enabled, "QMOE_FAST_LAUNCH=0: nothing of kernels/launch.py to time"
     stub_gpu()
     torch.set_num_threads(1)
+    out = {}
     if "model" in args.sections:
-        for name, value in model_section(args.steps).items():
-            print(f"{name:<40} {value:10.1f}")
+        out["model"] = model_section(args.steps)
+        for name, value in out["model"].items():
+            if not isinstance(value, (dict, list)):
+                print(f"{name:<40} {value:10.1f}")
     if "ops" in args.sections:
-        for name, us in ops_section().items():
+        out["ops_us_per_call"] = ops_section()
+        for name, us in out["ops_us_per_call"].items():
             print(f"{name:<40} {us:8.1f} us")
+    if args.out:
+        write_json(args.out, "host_overhead_cpu", "cpu", **out)
 
 
 if __name__ == "__main__":
