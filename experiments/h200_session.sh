@@ -5,7 +5,8 @@
 #         bench_sampling (its options in $SAMPLING_ARGS), profile_sampling, bench_gdn, tune_attention, bench_attention, bench_norm, bench_checkpoint, bench_fp8,
 #         bench_checkpoint_fp8, bench_fp8_moe_prefill (the FP8 experts' sorted prefill kernels at 4096 tokens), tune_moe_fp8 (the FP8 experts' decode tiles; its options in $TUNE_MOE_ARGS), runtime, e2e, profile, profile_model (eager host profile, prefill by part), profile_model_fp8 (the FP8 model's prefill by part), tune_moe_fp8_prefill (the FP8 x FP8 MoE prefill tiles, 35B), tune_fp8_prefill (pre-pass + linear FP8 x FP8 tiles vs cuBLAS bf16, 35B), tune_prefill (prefill's non-GEMM kernels), pdl, probe_moe_path (MoE decode vs grouped paths at M = 2..64), moe_packing (the prefill MoE's padding), prefill_runner (the runner's TTFT against the model's prefill, its GPU gaps), barrier (grid barrier vs PDL chain), fp8_probe (FP8 GEMV designs), host (eager host time per op call), loop (in-loop part costs), profile_loop / profile_loop_fp8 (the graphed step kernel by kernel, bf16 / FP8 weights), ab / ab_fp8 (the step with
 #         the op files of $AB_VARIANTS, experiments/ab_decode_step.py), ab_sampling (the sampler's versions in $AB_SAMPLING,
-#         experiments/ab_sampling.py; carry .ab), tune_loop (+ in-loop config
+#         experiments/ab_sampling.py; carry .ab), ab_eager (the eager reference runner, kernels=triton, of the tree
+#         $AB_OLD (default x_old; carry it) against the checkout: experiments/ab_trees.sh), tune_loop (+ in-loop config
 #         descent, tables written), tune_loop_fp8 (the same for the FP8 model), tune_loop_122b_fp8 (the 122B FP8 model's), run_122b_fp8 (122B-A10B FP8 on one GPU), some_tests (the GPU tests of $TESTS), tp (needs 2 GPUs: nvidia-h200-x2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +89,7 @@ except Exception as e:
     profile_loop_fp8) STAGE_TIMEOUT=200 run_stage profile_loop_fp8 python3 experiments/profile_decode_loop.py --weights fp8 --out results/profile_decode_loop_fp8.json ;;
     ab) STAGE_TIMEOUT=200 run_stage ab python3 experiments/ab_decode_step.py $AB_VARIANTS ;;
     ab_sampling) STAGE_TIMEOUT=450 run_stage ab_sampling python3 experiments/ab_sampling.py $AB_SAMPLING ;;
+    ab_eager) STAGE_TIMEOUT=480 RUN_ARGS="runtime=reference kernels=triton generation.max_new_tokens=32" run_stage ab_eager bash experiments/ab_trees.sh "${AB_OLD:-x_old}" run 2 ;;
     ab_fp8) STAGE_TIMEOUT=200 run_stage ab_fp8 python3 experiments/ab_decode_step.py --weights fp8 --out results/ab_decode_step_fp8.json $AB_VARIANTS ;;
     tune_loop) run_stage tune_loop python3 experiments/tune_decode_loop.py --write-tables ;;
     tune_loop_122b_fp8) STAGE_TIMEOUT=420 run_stage tune_loop_122b_fp8 python3 experiments/tune_decode_loop.py --model qwen35_moe_122b --weights fp8 --replays 50 --write-tables --out results/tune_decode_loop_122b_fp8.json ;;
