@@ -121,7 +121,7 @@ class GatedAttention(nn.Module):
     def forward(self, proj, positions, inv_freq, ops):  # proj = qkv_proj(x) [B, T, N], positions [B, T]
         B, T, _ = proj.shape
         q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
-        q, k, v = proj.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = proj.split_with_sizes([q_size, kv_size, kv_size], dim=-1)  # Tensor.split's Python: ~1 us more
         q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # strided views, no copies
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -178,7 +178,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, proj, positions, inv_freq, ops):  # proj = in_proj(x) [B, T, N]
         sizes = [self.conv_dim, self.nv * self.dv, self.nv, self.nv]
-        mixed_qkv, z, b, a = proj.split(sizes, dim=-1)
+        mixed_qkv, z, b, a = proj.split_with_sizes(sizes, dim=-1)
         core = ops["gdn"].gated_delta_net(
             mixed_qkv,
             z,
