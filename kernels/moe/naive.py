@@ -77,9 +77,14 @@ def shared_expert(gate, up, down_proj, gate_logit, down_scale=None):
     return torch.sigmoid(gate_logit) * F.linear(F.silu(gate) * up, down)
 
 
+def rows_of(x: torch.Tensor, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's x [..., H] and proj [..., N] (the model passes its [B, T, ...] activations) as [M, H], [M, N]."""
+    return x.reshape(-1, x.shape[-1]), proj.reshape(-1, proj.shape[-1])
+
+
 def moe_block(
-    x: torch.Tensor,  # [M, H]
-    proj: torch.Tensor,  # [M, E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
+    x: torch.Tensor,  # [..., H]: M rows
+    proj: torch.Tensor,  # [..., E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
@@ -88,20 +93,23 @@ def moe_block(
     w2_scale: torch.Tensor | None = None,
     shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sparse MoE block after its fused input projection -> [M, H]."""
+    """The sparse MoE block after its fused input projection -> x's shape."""
+    rows, proj = rows_of(x, proj)
     router_logits, gate, up, gate_logit = split_projection(proj, w13.shape[0], shared_down_proj.shape[1])
     topk_weights, topk_ids = route(router_logits, top_k)
-    routed = fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
+    routed = fused_moe(rows, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return (routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)).view(x.shape)
 
 
 def ep_moe_block(
     x, proj, w13, w2, shared_down_proj, top_k: int, first: int, w13_scale=None, w2_scale=None, shared_down_scale=None
 ) -> torch.Tensor:  # fmt: skip
-    """Expert parallel: x [M, H], proj [M, E + 2 Is + 1] (the whole router, every rank routes; this rank's shared
-    slices), w13 [El, 2I, H] / w2 [El, H, I] the experts first .. first + El - 1 -> [M, H], this rank's share:
-    pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares). The scales:
-    those of fp8 weights, as moe_block's."""
+    """Expert parallel: x [..., H], proj [..., E + 2 Is + 1] (the whole router, every rank routes; this rank's
+    shared slices), w13 [El, 2I, H] / w2 [El, H, I] the experts first .. first + El - 1 -> x's shape, this rank's
+    share: pairs routed to another rank's experts weigh 0 here (the block's all-reduce adds the other shares). The
+    scales: those of fp8 weights, as moe_block's."""
+    shape = x.shape
+    x, proj = rows_of(x, proj)
     E = router_experts(proj, shared_down_proj.shape[1])
     router_logits, gate, up, gate_logit = split_projection(proj, E, shared_down_proj.shape[1])
     weights, ids = route(router_logits, top_k)  # [M, K] over all E experts
@@ -109,7 +117,7 @@ def ep_moe_block(
     mine = (local >= 0) & (local < w13.shape[0])
     weights, local = torch.where(mine, weights, 0), torch.where(mine, local, 0)
     routed = fused_moe(x, w13, w2, weights, local, w13_scale, w2_scale)
-    return routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)
+    return (routed + shared_expert(gate, up, shared_down_proj, gate_logit, shared_down_scale)).view(shape)
 
 
 # a custom op, so the block exports with a dynamic token count as the unsharded one does

@@ -725,6 +725,16 @@ def _moe_down_decode_kernel(
             tl.store(out_ptr + tokens[:, None] * H + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _row_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """t [..., N] -> (t, its rows' stride, its columns' stride) as the decode kernels index it: a 2-D t as it is,
+    a contiguous one without a view (a dispatcher call per eager op), else a contiguous [M, N] copy."""
+    if t.dim() == 2:
+        return t, *t.stride()
+    if not t.is_contiguous():
+        t = t.reshape(-1, t.shape[-1]).contiguous()
+    return t, t.shape[-1], 1
+
+
 # the decode launches' h, routing weights and ids (partials, counters): written by the up kernel before the down
 # kernel reads them, in every call (invariants: Workspaces)
 decode_workspace = Workspaces()
@@ -733,9 +743,10 @@ decode_workspace = Workspaces()
 def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
     """The decode launches' buffers: h [P, I] in x's dtype; f32 = routing weights [P] | partials [M, K + 1, H];
     i32 = ids [P] | arrival counters [cdiv(H, down BLOCK_N)], these three from decode_workspace (the same buffers
-    in every call of a shape: an eager call allocates only its result); out [M, H], allocated per call. The GEMV
-    path (BLOCK_M = 1) needs neither partials nor counters."""
-    M, H = x.shape
+    in every call of a shape: an eager call allocates only its result); out in x's shape [..., H], allocated per
+    call. The GEMV path (BLOCK_M = 1) needs neither partials nor counters."""
+    H = x.shape[-1]
+    M = x.numel() // H
     P = M * top_k
     gemv = config["BLOCK_M"] == 1
     f32 = P if gemv else P + M * (top_k + 1) * H
@@ -744,7 +755,7 @@ def decode_scratch(x: torch.Tensor, I: int, top_k: int, config: dict) -> dict:
         "h": decode_workspace((P, I), x.dtype, x.device),
         "f32": decode_workspace((f32,), torch.float32, x.device),
         "i32": decode_workspace((i32,), torch.int32, x.device),
-        "out": x.new_empty(M, H),
+        "out": x.new_empty(x.shape),
     }
 
 
@@ -755,8 +766,10 @@ def moe_block_decode(
     """The block for M <= DECODE_MAX_M in two launches. config / scratch (decode_scratch's dict) override the
     tuned table and the per-call buffers (tests pass NaN-poisoned ones, the tuner its candidates). The scales:
     those of fp8 weights (kernels/fp8.py), None for dense ones. first: expert parallel (moe_block_ep): w13 / w2
-    hold the router's experts first .. first + El - 1."""
-    M, H = x.shape
+    hold the router's experts first .. first + El - 1. x [..., H] and proj [..., E + 2 Is + 1] with any leading
+    dimensions (M rows in all), the result in x's shape."""
+    H = x.shape[-1]
+    M = x.numel() // H
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     E = router_experts(proj, IS)  # expert parallel: every rank's experts
@@ -776,20 +789,21 @@ def moe_block_decode(
     # a scale pointer is only read under its flag: a dense weight passes itself in its place
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
+    proj, stride_pm, stride_pe = _row_strides(proj)
     block_m, up, down = config["BLOCK_M"], config["up"], config["down"]
     P = M * top_k
     num_counters = cdiv(H, down["BLOCK_N"])
     on = pdl(x)
     ep = first is not None  # the up grid's extra column marks the other ranks' pairs
     _moe_up_decode_kernel[(cdiv(I, up["BLOCK_N"]), El + ep)](
-        x, proj, w13, h, f32, i32, M, E, H, I, *proj.stride(), num_counters, w13_s, first or 0, El,
+        x, proj, w13, h, f32, i32, M, E, H, I, stride_pm, stride_pe, num_counters, w13_s, first or 0, El,
         TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), BLOCK_E=next_power_of_2(E),
         BLOCK_T=max(RANK_CHUNK, next_power_of_2(M)), CHUNK_T=RANK_CHUNK,
         BLOCK_COUNTERS=next_power_of_2(num_counters), BLOCK_M=block_m, EXPERTS_FP8=experts_fp8,
         EP=ep, PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_decode_kernel[(num_counters, P + 1)](
-        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, *proj.stride(), w2_s, sd_s, El,
+        h, proj, w2, shared_down_proj, f32, i32, out, M, E, H, I, IS, stride_pm, stride_pe, w2_s, sd_s, El,
         TOP_K=top_k, BLOCK_TOP=next_power_of_2(top_k), P_BLOCK=max(16, next_power_of_2(P)),
         BLOCK_M=block_m, EXPERTS_FP8=experts_fp8, SHARED_FP8=shared_fp8, EP=ep, PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
@@ -1023,8 +1037,9 @@ def moe_block_gemv(
 ) -> torch.Tensor:  # fmt: skip
     """The block for M <= DECODE_MAX_M tokens in two GEMV-style launches (config["BLOCK_M"] == 1); moe_block_decode
     has checked the scales (the flags, check_scales'). first: expert parallel, w13 / w2 hold experts first .. first
-    + El - 1 of the E = proj's router columns (None: all of them)."""
-    M, H = x.shape
+    + El - 1 of the E = proj's router columns (None: all of them). x, proj and the result: as moe_block_decode's."""
+    H = x.shape[-1]
+    M = x.numel() // H
     El, I = w2.shape[0], w2.shape[2]
     IS = shared_down_proj.shape[1]
     E = router_experts(proj, IS)
@@ -1034,15 +1049,16 @@ def moe_block_gemv(
     w13_scale, w2_scale, shared_down_scale = scales
     w13_s, w2_s = (w13_scale.contiguous(), w2_scale.contiguous()) if experts_fp8 else (w13, w2)  # unread if dense
     sd_s = shared_down_scale.contiguous() if shared_fp8 else shared_down_proj
+    proj, stride_pm, stride_pe = _row_strides(proj)
     on = pdl(x)
     _moe_up_gemv_kernel[(cdiv(I, up["BLOCK_N"]), M * top_k)](
-        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, *proj.stride(), w13_s, ep["FIRST"],
+        x, proj, w13, scratch["h"], scratch["f32"], scratch["i32"], E, H, I, stride_pm, stride_pe, w13_s, ep["FIRST"],
         ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top, BLOCK_E=next_power_of_2(E), EVEN_K=H % up["BLOCK_K"] == 0,
         SUB_K=min(up["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **up,
     )  # fmt: skip
     _moe_down_gemv_kernel[(cdiv(H, down["BLOCK_N"]), M)](
         scratch["h"], proj, w2, shared_down_proj, scratch["f32"], scratch["i32"], scratch["out"], E, H, I, IS,
-        *proj.stride(), w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
+        stride_pm, stride_pe, w2_s, sd_s, ep["FIRST"], ep["EL"], TOP_K=top_k, BLOCK_TOP=block_top,
         BLOCK_S=next_power_of_2(IS), SUB_K=min(down["BLOCK_K"], SCALE_BLOCK_K), EXPERTS_FP8=experts_fp8,
         SHARED_FP8=shared_fp8, EP=ep["EP"], PDL=on, launch_pdl=on, **down,
     )  # fmt: skip
@@ -1362,12 +1378,16 @@ def moe_block_prefill(
 # ----------------------------------------------------------------------------------------------- the block
 
 
-def _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales):
-    if x.shape[0] == 0:
+def _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=None):
+    """The block on x [..., H] and proj [..., E + 2 Is + 1] -> x's shape: the decode kernels read the model's
+    [B, T, ...] activations as they are; the prefill path works on their rows."""
+    M = x.numel() // x.shape[-1]
+    if M == 0:
         return torch.empty_like(x)
-    if x.shape[0] <= decode_max_m(w13.dtype):
-        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales)
-    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales)
+    if M <= decode_max_m(w13.dtype):
+        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales, first=first)
+    rows, proj = x.reshape(M, x.shape[-1]), proj.reshape(M, proj.shape[-1])
+    return moe_block_prefill(rows, proj, w13, w2, shared_down_proj, top_k, *scales, first=first).view(x.shape)
 
 
 @torch.library.custom_op("qmoe::moe_block", mutates_args=())
@@ -1391,15 +1411,15 @@ def _(x, proj, w13, w2, shared_down_proj, top_k, w13_scale=None, w2_scale=None, 
 
 
 def moe_block(
-    x: torch.Tensor,  # [M, H]
-    proj: torch.Tensor,  # [M, E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
+    x: torch.Tensor,  # [..., H]: M rows (the model's [B, T, H] as it is)
+    proj: torch.Tensor,  # [..., E + 2 Is + 1]: router logits | shared gate | shared up | shared-expert gate logit
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]
     top_k: int,
     *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights (kernels/fp8.py), or none
 ) -> torch.Tensor:
-    """The sparse MoE block after its fused input projection -> [M, H]: up to decode_max_m tokens (16 dense, 64
+    """The sparse MoE block after its fused input projection -> x's shape: up to decode_max_m tokens (16 dense, 64
     fp8) in two launches (moe_block_decode), above on the aligned grouped path. Through the custom op only while
     tracing; eager launches directly."""
     if kernels.tracing():
@@ -1411,11 +1431,7 @@ def moe_block(
 
 
 def _moe_block_ep(x, proj, w13, w2, shared_down_proj, top_k, first, *scales):
-    if x.shape[0] == 0:
-        return torch.empty_like(x)
-    if x.shape[0] <= decode_max_m(w13.dtype):
-        return moe_block_decode(x, proj, w13, w2, shared_down_proj, top_k, None, None, *scales, first=first)
-    return moe_block_prefill(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=first)
+    return _moe_block(x, proj, w13, w2, shared_down_proj, top_k, *scales, first=first)
 
 
 @torch.library.custom_op("qmoe::moe_block_ep_triton", mutates_args=())
@@ -1440,8 +1456,8 @@ def _(x, *args, **kwargs):
 
 
 def moe_block_ep(
-    x: torch.Tensor,  # [M, H]
-    proj: torch.Tensor,  # [M, E + 2 Is + 1]: the whole router (every rank routes), this rank's shared slices
+    x: torch.Tensor,  # [..., H]: M rows
+    proj: torch.Tensor,  # [..., E + 2 Is + 1]: the whole router (every rank routes), this rank's shared slices
     w13: torch.Tensor,  # [El, 2I, H]: experts first .. first + El - 1
     w2: torch.Tensor,  # [El, H, I]
     shared_down_proj: torch.Tensor,  # [H, Is]: this rank's slice of the shared expert
@@ -1449,7 +1465,7 @@ def moe_block_ep(
     first: int,
     *scales: torch.Tensor | None,  # w13_scale, w2_scale, shared_down_scale of fp8 weights, or none (as moe_block)
 ) -> torch.Tensor:
-    """Expert parallel: this rank's share of the block -> [M, H]; pairs routed to another rank's experts weigh 0
+    """Expert parallel: this rank's share of the block -> x's shape; pairs routed to another rank's experts weigh 0
     (the all-reduce after the block adds the other shares), on the kernels one GPU runs at that M: M = 1 the GEMV
     kernels (a program whose expert another rank holds loads nothing), M <= decode_max_m the decode kernels (a
     grid column per expert of this rank, and one that marks the other ranks' pairs, whose partials the down kernel

@@ -59,7 +59,7 @@ def moe_block(
 
 @moe_block.register_fake
 def _(x, *args):
-    return torch.empty_like(x)  # [M, H]
+    return torch.empty_like(x)  # x's shape [..., H]
 
 
 # group -> the naive functions replaced by their custom-op wrappers

@@ -233,19 +233,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
         self.group = "world" if layout.sharded else None  # every rank's experts and slices: partial sums
 
-    def forward(self, x, proj, ops):  # x [B, T, H], proj = in_proj(x) [B, T, E + 2 Is + 1]
-        rows = x.flatten(0, 1)  # [M, H]
+    def forward(self, x, proj, ops):  # x [B, T, H], proj = in_proj(x) [B, T, E + 2 Is + 1]: the ops take them as is
         e, shared_down = self.experts, self.shared_expert.down_proj
-        proj = proj.flatten(0, 1)
         scales = scale_of(e, "gate_up_proj"), scale_of(e, "down_proj"), scale_of(shared_down)
         scales = scales if any(s is not None for s in scales) else ()  # the dense call as it was (exported graphs)
         w13 = e.gate_up_proj
-        args = (rows, proj, w13, e.down_proj, shared_down.weight, self.top_k)
+        args = (x, proj, w13, e.down_proj, shared_down.weight, self.top_k)
         if w13.shape[0] < self.num_experts:  # expert parallel: this rank's experts' share
             out = ops["moe"].moe_block_ep(*args, e.first, *scales)
         else:
             out = ops["moe"].moe_block(*args, *scales)
-        return collectives.reduced(out, self.group).view_as(x)
+        return collectives.reduced(out, self.group)
 
 
 class DecoderLayer(nn.Module):

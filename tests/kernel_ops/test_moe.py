@@ -472,6 +472,28 @@ def test_moe_block_decode_is_deterministic():
 
 
 @pytest.mark.parametrize(
+    "B,T,reason",
+    [(1, 1, "one decode token: the GEMV kernels"), (3, 2, "6 tokens: the decode tiles"), (2, 9, "18: prefill path")],
+)
+def test_moe_block_takes_the_models_leading_dims(B, T, reason):
+    """x [B, T, H] and proj [B, T, N] as the model hands them over (no flatten per call) give the rows' result in
+    x's shape, on every path, for the Triton block and the torch reference alike; a non-contiguous [B, T, N] proj
+    (a column slice of a wider buffer) is read right."""
+    args = block_args(B * T, 32, 8, 16, 16, torch.float32, seed=B + T)
+    x, proj, rest = args[0], args[1], args[2:]
+    flat = moe.moe_block(*args, top_k=2)
+    wide = torch.full((B, T, proj.shape[-1] + 5), float("nan"))
+    wide[..., 3 : 3 + proj.shape[-1]] = proj.view(B, T, -1)
+    sliced = wide[..., 3 : 3 + proj.shape[-1]]
+    assert B * T == 1 or not sliced.is_contiguous(), reason  # one row: contiguous, 3 elements in
+    for p in (proj.view(B, T, -1), sliced):
+        out = moe.moe_block(x.view(B, T, -1), p, *rest, top_k=2)
+        assert out.shape == (B, T, 32) and torch.equal(out.view(B * T, 32), flat), reason
+    ref = naive.moe_block(x.view(B, T, -1).double(), proj.view(B, T, -1).double(), *[a.double() for a in rest], 2)
+    assert ref.shape == (B, T, 32) and rel_err(flat, ref.view(B * T, 32)) < 1e-5, reason
+
+
+@pytest.mark.parametrize(
     "M,expected",
     [(1, ["_moe_up_gemv_kernel", "_moe_down_gemv_kernel"]), (3, ["_moe_up_decode_kernel", "_moe_down_decode_kernel"])],
     ids=["gemv", "decode"],
