@@ -440,7 +440,7 @@ def _launch(q, gate, k, v, q_weight, k_weight, k_cache, v_cache, positions, inv_
     # One entry for every T: the decode/prefill choice happens here, at run time, so torch.export with a
     # dynamic T records no guard on T == 1.
     B, T, HQ, D = q.shape
-    out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
+    out = q.new_empty(B, T, HQ * D)
     if T == 1:
         splits = DECODE_OPTIONS.get("splits") or num_splits(B, k_cache.shape[1], k_cache.shape[2], q.device)
         o_part = decode_workspace((B, HQ, splits, D), torch.float32, q.device)

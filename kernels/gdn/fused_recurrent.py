@@ -239,7 +239,7 @@ def gated_delta_net_decode(
     nv, dk, dv = recurrent_state.shape[1:]
     nk = num_k_heads
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and recurrent_state.is_contiguous()
-    out = torch.empty(B, T, nv * dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    out = mixed_qkv.new_empty(B, T, nv * dv)  # sizes as ints, dtype and device from the tensor: the cheapest call
     device = mixed_qkv.device
     splits = splits or DECODE_OPTIONS.get("splits") or value_splits(B, nv, dv)
     BK, BV = next_power_of_2(dk), next_power_of_2(dv) // splits

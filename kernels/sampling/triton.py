@@ -1580,7 +1580,7 @@ def launch_greedy(
     large B the last wave leaves few SMs idle); a row's last chunk combines <= GREEDY_SPLIT_MAX partials.
     block / split / num_warps are tuning knobs."""
     B, V = logits.shape
-    out = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
+    out = logits.new_empty(B, dtype=torch.int64) if out is None else out
     if B == 0:
         return out
     if block is None:
