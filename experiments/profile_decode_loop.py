@@ -1,4 +1,5 @@
-"""Where the graphed 35B-A3B decode step spends its time, kernel by kernel, with PDL overlap as it runs.
+"""Where the graphed decode step (35B-A3B; the 122B-A10B FP8 one with --model) spends its time, kernel by kernel,
+with PDL overlap as it runs.
 
 tune_decode_loop.py's parts remove one op group at a time; this script reads the step's own timeline instead: the
 step (forward + greedy sample, as the CUDA-native runner's graph holds it) is captured in a CUDA graph and replayed
@@ -10,7 +11,7 @@ increments, the durations, the overlap with the producer (start minus the produc
 bytes its weights and states must move and the bandwidth of those bytes over the increments.
 
     PYTHONPATH=.:experiments python experiments/profile_decode_loop.py [--weights fp8]
-        [--out results/profile_decode_loop.json]
+        [--model qwen35_moe_122b --weights fp8: the 122B-A10B FP8 step] [--out results/profile_decode_loop.json]
 """
 
 import argparse
@@ -119,18 +120,22 @@ def main():
     parser.add_argument("--out", default="results/profile_decode_loop.json")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--weights", default="auto", choices=("auto", "fp8"), help="fp8: model.weights=fp8")
+    models = ("qwen35_moe", "qwen35_moe_122b")
+    parser.add_argument("--model", default=models[0], choices=models, help="qwen35_moe_122b: with --weights fp8")
     args = parser.parse_args()
+    if args.model != models[0] and args.weights != "fp8":
+        parser.error(f"--model {args.model} fits one H200 only with --weights fp8")
     t0 = time.time()
     ceil = ceilings("cuda")
-    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"])
+    model, floor_ms = decode_model(args.weights, ceil["copy_gbs"], name=args.model)
     runs = {}
     for pdl_on in (True, False):  # PDL off: each kernel runs alone, its duration is all it costs
         os.environ["QMOE_PDL"] = "1" if pdl_on else "0"
         runs["pdl" if pdl_on else "pdl_off"] = timeline(model, args.replays, ceil)
     os.environ.pop("QMOE_PDL")
     write_json(
-        args.out, "profile_decode_loop", "cuda", weights=args.weights, ceilings=ceil, floor_ms=floor_ms,
-        position=PROMPT_POS, **runs,
+        args.out, "profile_decode_loop", "cuda", model=args.model, weights=args.weights, ceilings=ceil,
+        floor_ms=floor_ms, position=PROMPT_POS, **runs,
         seconds=time.time() - t0,
     )  # fmt: skip
     off = {r["kind"]: r for r in runs["pdl_off"]["kinds"]}
