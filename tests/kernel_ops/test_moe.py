@@ -640,6 +640,29 @@ def test_moe_block_35b_gpu(M, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8], ids=["GEMV", "decode tiles"])
+def test_decode_workspace_shared_by_a_graph_and_eager_calls_gpu(M):
+    """A captured decode block and eager calls of the block at the same shape share its workspace (h, routing
+    weights, ids: kernels/counters.Workspaces). Graph replays and eager calls on other inputs, interleaved on one
+    stream with PDL and no synchronization between them, each give their own input's result: every launch touches
+    the workspace only after its PDL wait, so the calls are ordered by the stream."""
+    s = QWEN35B
+    x, proj, *weights = gpu_block(M, s, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x2 = torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype)
+    proj2 = torch.randn(proj.shape, generator=gen, device="cuda").to(proj.dtype)
+    refs = gpu_reference((x, proj, *weights), s["K"]), gpu_reference((x2, proj2, *weights), s["K"])
+    graph, out = captured(lambda: moe.moe_block(x, proj, *weights, s["K"]))
+    results = []
+    for _ in range(10):
+        graph.replay()
+        results.append((out.clone(), moe.moe_block(x2, proj2, *weights, s["K"])))
+    torch.cuda.synchronize()
+    for pair in results:
+        assert all(rel_err(o, ref) < TOL[torch.bfloat16] for o, ref in zip(pair, refs))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [8, 64])
 @pytest.mark.parametrize("experts", [list(range(8)), [5]], ids=["same-8", "one-hot"])
 def test_moe_block_skewed_gpu(M, experts):
