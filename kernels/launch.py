@@ -13,12 +13,12 @@ constexprs, options), so one key always maps to the one kernel Triton would laun
 through Triton (compile or find, launch) and keeps the CompiledKernel it returns; later calls call its launcher
 directly on the current stream, with each tensor passed as its data pointer (an int: the launcher's per-tensor
 data_ptr() call and cuPointerGetAttribute query are skipped, 14.2 -> 11.9 us a launch on the H200 host,
-results/host_overhead.json). Key and pointers come from a binder generated once per pattern of argument classes and
-keyword names (_binder), so a call pays no per-argument type dispatch. Integer arguments in the key mean one entry
-per distinct shape, so the table is dropped when it passes MAX_KEYS. Launch hooks (knobs.runtime.launch_enter_hook,
-e.g. proton) and Triton's check that a kernel's globals did not change after compilation are skipped on the fast
-path; QMOE_FAST_LAUNCH=0 (read at import) launches everything through Triton. Under the CPU interpreter
-(TRITON_INTERPRET=1) kernels are returned unchanged.
+results/host_overhead.json). Key and pointers come from a binder generated once per pattern of argument classes,
+repeated tensors and keyword names (_binder), so a call pays no per-argument type dispatch. Integer arguments in the
+key mean one entry per distinct shape, so the table is dropped when it passes MAX_KEYS. Launch hooks
+(knobs.runtime.launch_enter_hook, e.g. proton) and Triton's check that a kernel's globals did not change after
+compilation are skipped on the fast path; QMOE_FAST_LAUNCH=0 (read at import) launches everything through Triton.
+Under the CPU interpreter (TRITON_INTERPRET=1) kernels are returned unchanged.
 """
 
 import os
@@ -66,16 +66,24 @@ def _arg_code(i: int, a) -> tuple[str, str, str]:
 
 def _binder(pattern_id: int, args: tuple, names: tuple, tail: tuple):
     """A function (device, args, kwargs) -> (the launch key, the launcher's arguments in order) for calls whose
-    arguments have the classes of `args` and whose keyword arguments are `names` (sorted); None when an argument's
-    class differs (a ValueError or KeyError when their number or the names do). Generated source: one line per
-    argument, no loop and no type dispatch per call (2.7 -> ~1.6 us for the linear kernel's 20 arguments on this
-    project's CPU machine). The key starts with pattern_id: two patterns never share a key."""
+    arguments have the classes of `args`, the same tensor wherever `args` repeats one (_repeats), and whose keyword
+    arguments are `names` (sorted); None when an argument's class or a repeat differs (a ValueError or KeyError
+    when their number or the names do). Generated source: one line per argument, no loop and no type dispatch per
+    call; a repeated tensor costs an identity check, not a key part (the linear kernel's 20 arguments, x four times
+    in unused slots: 2.7 -> 1.1 us on this project's CPU machine). The key starts with pattern_id: two patterns
+    never share a key."""
     env = {f"C{i}": a.__class__ for i, a in enumerate(args)}
-    code = [_arg_code(i, a) for i, a in enumerate(args)]
+    code, pointers = [], ""
+    for i, (a, j) in enumerate(zip(args, _repeats(args))):
+        if j < i:  # the tensor of argument j again
+            code.append((f"a{i} is a{j}", None, f"p{j}"))
+            continue
+        code.append(_arg_code(i, a))
+        pointers += f"    p{i} = a{i}.data_ptr()\n" if isinstance(a, torch.Tensor) else ""
     unpack = "".join(f"a{i}, " for i in range(len(args))) or "[] "  # a ValueError for another number of args
     guards = " and ".join(guard for guard, _, _ in code) or "True"
-    pointers = "".join(f"    p{i} = a{i}.data_ptr()\n" for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-    key = ", ".join([str(pattern_id), "device", *(part for _, part, _ in code), *(f"kw[{n!r}]" for n in names)])
+    parts = (part for _, part, _ in code if part is not None)
+    key = ", ".join([str(pattern_id), "device", *parts, *(f"kw[{n!r}]" for n in names)])
     run = ", ".join([*(arg for _, _, arg in code), *(f"kw[{n!r}]" for n in tail)])
     source = (
         f"def bind(device, args, kw):\n    {unpack}= args\n    if len(kw) != {len(names)} or not ({guards}):\n"
@@ -83,6 +91,13 @@ def _binder(pattern_id: int, args: tuple, names: tuple, tail: tuple):
     )
     exec(compile(source, f"<fast_launch binder {pattern_id}>", "exec"), env)
     return env["bind"]
+
+
+def _repeats(args: tuple) -> tuple:
+    """For each argument, the index of the first argument that is the same tensor (its own index otherwise): part
+    of a binder's pattern (a launcher's unused pointer slots often repeat one tensor)."""
+    first = {}
+    return tuple(first.setdefault(id(a), i) if isinstance(a, torch.Tensor) else i for i, a in enumerate(args))
 
 
 def _current_device_and_stream() -> tuple:
@@ -124,7 +139,7 @@ class FastLaunch:
             if bound is not None:
                 return bound
         names = tuple(sorted(kwargs))
-        pattern = tuple(a.__class__ for a in args), names
+        pattern = tuple(a.__class__ for a in args), names, _repeats(args)
         if pattern not in self.patterns:
             tail = tuple(self.fn.arg_names[len(args) :])  # the kernel's parameters passed by keyword, in order
             bindable = all(name in kwargs for name in tail)  # else (defaults): always through Triton

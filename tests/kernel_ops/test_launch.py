@@ -111,6 +111,8 @@ def test_key_separates_what_triton_specializes_on():
     assert key(1) != key(True) and key(None) != key(0) and key(1) != key(1.0)
     assert key(0.5) == key(2.0) and key(0.5) != key(0)
     assert key(base[:8], kwargs={"BLOCK": 32}) != key(base[:8]) != key(base[:8], device=1)
+    aligned, off = base[:8], base[1:9]
+    assert key(aligned, aligned) != key(off, off)  # a tensor passed twice keys on its first place
 
 
 def test_launcher_gets_tensors_as_their_pointers():
@@ -129,10 +131,10 @@ def test_launcher_gets_tensors_as_their_pointers():
 
 
 def test_one_binder_per_pattern():
-    """Calls whose argument classes or keyword names differ get binders of their own, made once and reused as the
-    patterns alternate (the linear kernel's fused norm passes a Parameter where the plain launch passes a tensor);
-    a binder refuses a call of another pattern; a keyword parameter left to its default means no binder (such
-    calls always go through Triton)."""
+    """Calls whose argument classes, repeated tensors or keyword names differ get binders of their own, made once
+    and reused as the patterns alternate (the linear kernel's fused norm passes a Parameter where the plain launch
+    passes a tensor); a binder refuses a call of another pattern, one whose repeated tensor is two tensors too; a
+    keyword parameter left to its default means no binder (such calls always go through Triton)."""
     weight = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
     x = torch.zeros(8)
     fast = launch.FastLaunch(SimpleNamespace(arg_names=["x", "y", "BLOCK"]))
@@ -142,7 +144,9 @@ def test_one_binder_per_pattern():
         keys.add(bound((x, weight), fast=fast)[0])
         keys.add(bound((x, 3), fast=fast)[0])
     assert len(fast.binders) == 3 and len(keys) == 3
-    bind_tensor_tensor = fast.binders[-1]
+    bind_tensor_tensor = fast.binders[-1]  # x passed twice: one key part, its pointer twice
+    assert bind_tensor_tensor(0, (x, x), {"BLOCK": 16})[1] == [x.data_ptr(), x.data_ptr(), 16]
+    assert bind_tensor_tensor(0, (x, torch.zeros(8)), {"BLOCK": 16}) is None  # two tensors now
     assert bind_tensor_tensor(0, (x, weight), {"BLOCK": 16}) is None  # another class
     with pytest.raises(KeyError):
         bind_tensor_tensor(0, (x, x), {"OTHER": 16})  # other keyword names
