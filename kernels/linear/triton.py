@@ -743,14 +743,22 @@ def linear_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) 
     return _linear(x, weight, out, scale)
 
 
-@torch.library.custom_op("qmoe::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    return _linear(x, weight, scale=scale)
+def _projection_op(name: str, impl, dtype: torch.dtype | None = None):
+    """The custom op `qmoe::<name>` (what torch.export records) over impl(x, weight, scale=...) -> [..., N], its
+    fake's dtype `dtype` (None: x's)."""
+
+    @torch.library.custom_op(f"qmoe::{name}", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return impl(x, weight, scale=scale)
+
+    @op.register_fake
+    def _(x, weight, scale=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=dtype)
+
+    return op
 
 
-@_linear_op.register_fake
-def _(x, weight, scale=None):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_linear_op = _projection_op("linear", _linear)
 
 
 def _logits(x, weight, out=None, scale=None) -> torch.Tensor:
@@ -772,14 +780,7 @@ def logits_out(x: torch.Tensor, weight: torch.Tensor, *scale_out: torch.Tensor) 
     return _logits(x, weight, out, scale)
 
 
-@torch.library.custom_op("qmoe::logits", mutates_args=())
-def _logits_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    return _logits(x, weight, scale=scale)
-
-
-@_logits_op.register_fake
-def _(x, weight, scale=None):
-    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+_logits_op = _projection_op("logits", _logits, torch.float32)
 
 
 def _add_rms_norm_linear(x, residual, norm_weight, eps, weight, scale=None):
