@@ -40,7 +40,8 @@ WARPS = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}  # kernels_at's names
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
-                "tile_list_ptr": "*i32"}  # fmt: skip
+                "tile_list_ptr": "*i32", "cut_ptr": "*i32", "arrivals_ptr": "*i32",
+                "cand_ptr": "*fp64"}  # fmt: skip
 
 
 def signature(kernel, constexprs: dict):
@@ -101,6 +102,13 @@ def kernels_at(p: dict) -> dict:
         "gather_count": (fused._gather_count_kernel, gather, count_programs(p)),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
+        # a vocab-parallel rank's launch (qmoe/parallel/sampling.py), greedy and sampled, at the greedy's chunking
+        **{
+            name: (fused._shard_candidates_kernel, {"BLOCK": p["block"], "SPLIT": next_power_of_2(split), "RACE": race,
+                                                    "PDL": True}, p["B"] * split)
+            for name, race in (("shard_greedy", False), ("shard_race", True))
+            for split in [min(fused.GREEDY_SPLIT_MAX, cdiv(8192, p["B"]), cdiv(V, p["block"]))]
+        },
     }
 
 

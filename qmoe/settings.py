@@ -187,11 +187,6 @@ def check_parallel(cfg: DictConfig, runtime: str, choice: dict) -> tuple[int, in
         "runtime",
         "host samples full logits on the CPU; with tp x ep > 1 use reference or cuda_native (logits stay sharded)",
     )
-    require(
-        choice["sampling"] == "torch",
-        "kernels.sampling",
-        "the Triton sampler has no vocab-parallel variant yet; with tp x ep > 1 use kernels.sampling=torch",
-    )
     if OmegaConf.select(cfg, "model.weights") == "fp8":
         require(
             OmegaConf.select(cfg, "model.checkpoint") is None,

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from helpers import rel_err, tiny_config
 
 from kernels.sampling import naive as naive_sampling
+from kernels.sampling import triton as fused_sampling
 from qmoe.model import build_model
 from qmoe.model.qwen35_moe import shard_blocks
 from qmoe.parallel import fp8_layout_errors, layout_errors
@@ -61,6 +62,26 @@ def sampler_cases(V: int) -> tuple[torch.Tensor, dict]:
         "min_p": torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.3]),
         "seed": torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]),
         "step": torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
+    }
+    return logits, params
+
+
+def llm_cases(V: int) -> tuple[torch.Tensor, dict]:
+    """Rows like a model's (N(0, 2^2) with 16 candidates lifted well above it, the lifted ones on every rank) under
+    the filters users set: top-k 50 + top-p 0.9, top-p alone, min-p alone, top-k over the vocabulary, a low and a
+    high temperature; the cuts fall among the lifted tokens and in the tail."""
+    gen = torch.Generator().manual_seed(11)
+    B = 8
+    logits = torch.randn(B, V, generator=gen, dtype=torch.float64) * 2
+    lifted = torch.randperm(V, generator=gen)[:16]
+    logits[:, lifted] += torch.linspace(12, 4, 16, dtype=torch.float64)
+    params = {
+        "temperature": torch.tensor([1.0, 1.0, 0.7, 1.0, 1.0, 0.05, 5.0, 1.0]),
+        "top_k": torch.tensor([50, 0, 0, 0, V, 50, 50, 3]),
+        "top_p": torch.tensor([0.9, 0.95, 0.5, 1.0, 1.0, 0.9, 0.9, 1.0]),
+        "min_p": torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0]),
+        "seed": torch.arange(B) + 100,
+        "step": torch.arange(B) * 7,
     }
     return logits, params
 
@@ -118,7 +139,9 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     ledger = TransferLedger()
     counter = CollectiveCounter(ledger)
     for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        model.set_kernels({}, greedy=s.greedy)
+        model.set_kernels({"sampling": "triton"}, greedy=s.greedy)  # each rank's Triton candidates (interpreter)
+        out[f"{name}_triton"] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
+        model.set_kernels({"sampling": "torch"}, greedy=s.greedy)
         ledger.clear()
         counter.seen.clear()
         gen = generate(ReferenceRunner(model, s, 2, ledger), PROMPTS, NEW)
@@ -133,14 +156,20 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     mine = cases[:, layout.rank * Vl : (layout.rank + 1) * Vl]
     out["sampler"] = sampling.sample(mine, layout.rank * Vl, *params.values()).tolist()
     out["sampler_greedy"] = sampling.greedy(mine[:2], layout.rank * Vl).tolist()
+    for cases_name, (cases, params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
+        mine = cases.float()[:, layout.rank * Vl : (layout.rank + 1) * Vl]
+        out[f"triton_{cases_name}"] = sampling.sample(mine, layout.rank * Vl, *params.values(), triton=True).tolist()
+        out[f"triton_{cases_name}_greedy"] = sampling.greedy(mine, layout.rank * Vl, triton=True).tolist()
 
     if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
         from qmoe.export import ExportSettings
         from qmoe.runtime.cuda_native import CudaNativeRunner
         from qmoe.runtime.executor import build_program
 
-        for name, s, split in (("greedy", GREEDY, "split"), ("sampled", SAMPLED, "fused")):
-            model.set_kernels({}, greedy=s.greedy)
+        runs = [("greedy", GREEDY, "split", "torch"), ("sampled", SAMPLED, "fused", "torch")]
+        runs += [("sampled_triton", SAMPLED, "split", "triton")]  # the Triton candidates' custom op exports
+        for name, s, split, sampler in runs:
+            model.set_kernels({"sampling": sampler}, greedy=s.greedy)
             flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
             settings = ExportSettings(preset="copy_elided", method_split=split, device_memory_planning=True, **flags)
             runner = CudaNativeRunner(build_program(model, settings, 2, 32), model, s, 2, TransferLedger(), False)
@@ -203,8 +232,9 @@ def one_process():
             logits.append(model(token[:, None], torch.full((2,), pos)))
         out = {"logits": logits}
         for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            model.set_kernels({}, greedy=s.greedy)
-            out[name] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
+            for sampler, suffix in (("torch", ""), ("triton", "_triton")):
+                model.set_kernels({"sampling": sampler}, greedy=s.greedy)
+                out[name + suffix] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
     torch.set_num_threads(threads)
     return out
 
@@ -240,14 +270,21 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
         assert rel_err(torch.tensor(mine), ref) < 1e-5, f"logits at step {step}"  # fp32, sums in another order
     assert got["greedy"] == one_process["greedy"]
     assert got["sampled"] == one_process["sampled"]  # Philox-style race keyed by the global token index
+    # kernels.sampling=triton: each rank's Triton candidates give the Triton sampler's tokens of one process
+    assert got["greedy_triton"] == one_process["greedy_triton"] == one_process["greedy"]
+    assert got["sampled_triton"] == one_process["sampled_triton"]
     if exported:
         assert got["exported_greedy"] == one_process["greedy"]
         assert got["exported_sampled"] == one_process["sampled"]
+        assert got["exported_sampled_triton"] == one_process["sampled_triton"]
 
     V = 64 * tp * ep
     cases, params = sampler_cases(V)
     assert got["sampler"] == naive_sampling.sample(cases, *params.values()).tolist()
     assert got["sampler_greedy"] == naive_sampling.greedy(cases[:2]).tolist()
+    for name, (cases, params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
+        assert got[f"triton_{name}"] == fused_sampling.sample(cases.float(), *params.values()).tolist(), name
+        assert got[f"triton_{name}_greedy"] == fused_sampling.greedy(cases.float()).tolist(), name
 
     assert got["load_mismatch"] == []
     assert got["reads_repeated"] == 0
@@ -394,7 +431,6 @@ def test_397b_layouts_split_and_fit(tp, ep, dtype):
 @pytest.mark.parametrize(
     "overrides,line",
     [
-        (["parallel.tp=2", "kernels.sampling=triton"], "kernels.sampling: the Triton sampler has no vocab-parallel"),
         (["parallel.tp=2", "runtime=host"], "runtime: host samples full logits on the CPU"),
         (
             ["parallel.tp=2", "model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=6"],
@@ -403,7 +439,7 @@ def test_397b_layouts_split_and_fit(tp, ep, dtype):
         (["parallel.tp=0"], "parallel.tp: must be >= 1"),
         (["parallel.tp=2", "model.weights=fp8"], "model.arch.head_dim: fp8 needs each rank's share of the 128"),
     ],
-    ids=["triton_sampler", "host", "kv_heads", "tp0", "fp8_k_split"],
+    ids=["host", "kv_heads", "tp0", "fp8_k_split"],
 )
 def test_parallel_settings_are_one_line(overrides, line, monkeypatch):
     """Under torchrun (WORLD_SIZE=2) the config says in one line what has no sharded path."""

@@ -1626,6 +1626,148 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return greedy_op(logits) if kernels.tracing() else launch_greedy(logits)
 
 
+# vocab-parallel sampling (qmoe/parallel/sampling.py): a rank's candidates from its slice of the logits
+shard_arrivals = ArrivalCounters()
+# each chunk's (max, race key) and their indices, written before the row's last chunk reads them (Workspaces)
+shard_workspace = Workspaces()
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["B", "start", "split", "chunk_blocks"])
+def _shard_candidates_kernel(logits_ptr, stride_row, B, V, start, m_ptr, temperature_ptr, cut_ptr, min_p_ptr,
+                             seed_ptr, step_ptr, part_f_ptr, part_i_ptr, arrivals_ptr, cand_ptr, split, chunk_blocks,
+                             BLOCK: tl.constexpr, SPLIT: tl.constexpr, RACE: tl.constexpr,
+                             PDL: tl.constexpr):  # fmt: skip
+    """Program (chunk, row) of a rank's slice [B, V] of the tokens start .. start + V - 1: the chunk's max (NaN if
+    it holds a NaN) and its lowest index; with RACE also the best race key among the kept tokens (ordered key >=
+    cut[row], x > -inf, p = 2^((x - m[row]) * c) >= min_p[row], m the row's max over every rank) and its lowest
+    index, the key `sample`'s race draws for that token (Philox counter (step, global index)). The row's last chunk
+    to arrive combines the row's chunks -> out[row] fp64: (max, its global index[, race key, its global index])."""
+    allow_dependents(PDL)
+    wait_for_producers(PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32) + V
+    nan_seen = tl.zeros((BLOCK,), tl.int32)
+    race_best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    race_idx = tl.zeros((BLOCK,), tl.int32) + V
+    if RACE:
+        m = tl.load(m_ptr + row)
+        temperature = tl.load(temperature_ptr + row)
+        c = LOG2E / tl.maximum(temperature, 1e-30)  # as `sample` computes it for a sampled row
+        cut = tl.load(cut_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+    start_col, end = _chunk_span(chunk, chunk_blocks, V, BLOCK)
+    for off in range(start_col, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 as +0.0
+        nan_seen |= (x != x).to(tl.int32)
+        up = x > best  # strict: a slot keeps its earliest index on ties; NaN never moves it
+        best_idx = tl.where(up, cols, best_idx)
+        best = tl.where(up, x, best)
+        if RACE:
+            keep = (_ordered_key(x) >= cut) & (x > float("-inf")) & (tl.exp2((x - m) * c) >= min_p)
+            race = tl.where(keep, _race_key(x, m, c, seed, step, cols + start), float("-inf"))
+            up = race > race_best
+            race_idx = tl.where(up, cols, race_idx)
+            race_best = tl.where(up, race, race_best)
+    m_chunk = tl.max(best, 0)
+    parts = (row * split + chunk) * 2
+    tl.store(part_f_ptr + parts, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m_chunk))
+    tl.store(part_i_ptr + parts, tl.min(tl.where(best == m_chunk, best_idx, V), 0))
+    if RACE:
+        r_chunk = tl.max(race_best, 0)
+        tl.store(part_f_ptr + parts + 1, r_chunk)
+        tl.store(part_i_ptr + parts + 1, tl.min(tl.where(race_best == r_chunk, race_idx, V), 0))
+    # every thread's stores before the release, every read of the others' partials after the acquire
+    tl.debug_barrier()
+    arrivals = arrivals_ptr + row
+    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == split - 1:
+        sp = tl.arange(0, SPLIT)
+        pm = sp < split
+        slots = (row * split + sp) * 2
+        ms = tl.load(part_f_ptr + slots, mask=pm, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(part_i_ptr + slots, mask=pm, other=2**31 - 1, cache_modifier=".cg")
+        has_nan = tl.max((ms != ms).to(tl.int32), 0) > 0
+        m_row = tl.max(tl.where(ms != ms, float("-inf"), ms), 0)
+        idx = tl.min(tl.where(ms == m_row, idxs, 2**31 - 1), 0)
+        out = cand_ptr + row * (4 if RACE else 2)
+        tl.store(out, tl.where(has_nan, float("nan"), m_row).to(tl.float64))
+        tl.store(out + 1, (idx + start).to(tl.float64))
+        if RACE:
+            rs = tl.load(part_f_ptr + slots + 1, mask=pm, other=float("-inf"), cache_modifier=".cg")
+            ris = tl.load(part_i_ptr + slots + 1, mask=pm, other=2**31 - 1, cache_modifier=".cg")
+            r_row = tl.max(rs, 0)
+            tl.store(out + 2, r_row.to(tl.float64))
+            tl.store(out + 3, (tl.min(tl.where(rs == r_row, ris, 2**31 - 1), 0) + start).to(tl.float64))
+        tl.store(arrivals, 0)
+
+
+def launch_shard_candidates(
+    logits: torch.Tensor,
+    start: int,
+    race: tuple[torch.Tensor, ...] | None = None,
+    block: int | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """A vocab-parallel rank's candidates, in one launch: logits [B, V] of the tokens start .. start + V - 1 ->
+    fp64 [B, 2] (max, NaN if the row holds one; its lowest global index), or with `race` = (m fp32, temperature
+    fp32, cut int32, min_p fp32, seed int64, step int64), each [B] and contiguous, fp64 [B, 4]: also the best race
+    key among the kept tokens and its lowest global index (-inf and start + V where none is kept). The greedy
+    kernel's chunking (block / split are tuning knobs)."""
+    B, V = logits.shape
+    out = logits.new_empty((B, 4 if race is not None else 2), dtype=torch.float64)
+    if B == 0:
+        return out
+    if block is None:
+        block = min(2048, next_power_of_2(V))
+    if split is None:
+        split = min(GREEDY_SPLIT_MAX, cdiv(8192, B), cdiv(V, block)) if logits.is_cuda else 1
+    chunk_blocks = cdiv(cdiv(V, split), block)
+    part_f = shard_workspace((B, split, 2), torch.float32, logits.device)
+    part_i = shard_workspace((B, split, 2), torch.int32, logits.device)
+    m, temperature, cut, min_p, seed, step = race if race is not None else (logits,) * 6  # unread without RACE
+    on = pdl(logits)
+    _shard_candidates_kernel[(split, B)](
+        logits, logits.stride(0), B, V, start, m, temperature, cut, min_p, seed, step, part_f, part_i,
+        shard_arrivals(B, logits.device), out, split, chunk_blocks, BLOCK=block, SPLIT=next_power_of_2(split),
+        RACE=race is not None, PDL=on, launch_pdl=on, num_warps=8 if logits.is_cuda else 1,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qmoe::shard_candidates", mutates_args=())
+def shard_candidates_op(
+    logits: torch.Tensor,
+    start: int,
+    m: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    cut: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    step: torch.Tensor | None,
+) -> torch.Tensor:
+    race = (m, temperature, cut, min_p, seed, step) if m is not None else None
+    return launch_shard_candidates(logits, start, race)
+
+
+@shard_candidates_op.register_fake
+def _(logits, start, m, temperature, cut, min_p, seed, step):
+    return logits.new_empty((logits.shape[0], 4 if m is not None else 2), dtype=torch.float64)
+
+
+def shard_candidates(logits: torch.Tensor, start: int, race: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """launch_shard_candidates through its custom op where a tracer needs the fake."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if kernels.tracing():
+        return shard_candidates_op(logits, start, *(race if race is not None else (None,) * 6))
+    return launch_shard_candidates(logits, start, race)
+
+
 @torch.library.custom_op("qmoe::sample", mutates_args=())
 def sample_op(
     logits: torch.Tensor,

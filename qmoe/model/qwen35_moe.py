@@ -403,13 +403,11 @@ class Qwen35MoE(nn.Module):
         if self.layout.sharded:
             from qmoe.parallel import sampling
 
-            greedy = getattr(self.ops["sampling"], "general", None) is not None
-            params = (temperature, top_k, top_p, min_p, seed, step)
-            return (
-                sampling.greedy(logits, self.vocab_start)
-                if greedy
-                else sampling.sample(logits, self.vocab_start, *params)
-            )
+            impl = getattr(self.ops["sampling"], "general", self.ops["sampling"])
+            triton = impl is not kernels.resolve("sampling", "torch")  # each equals its own one-process sampler
+            if impl is not self.ops["sampling"]:  # the greedy entry point
+                return sampling.greedy(logits, self.vocab_start, triton)
+            return sampling.sample(logits, self.vocab_start, temperature, top_k, top_p, min_p, seed, step, triton)
         return self.ops["sampling"].sample(logits, temperature, top_k, top_p, min_p, seed, step)
 
 
