@@ -104,8 +104,11 @@ def kernels_at(p: dict) -> dict:
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
         # a vocab-parallel rank's launch (qmoe/parallel/sampling.py), greedy and sampled, at the greedy's chunking
         **{
-            name: (fused._shard_candidates_kernel, {"BLOCK": p["block"], "SPLIT": next_power_of_2(split), "RACE": race,
-                                                    "PDL": True}, p["B"] * split)
+            name: (
+                fused._shard_candidates_kernel,
+                {"BLOCK": p["block"], "SPLIT": next_power_of_2(split), "RACE": race, "PDL": True},
+                p["B"] * split,
+            )
             for name, race in (("shard_greedy", False), ("shard_race", True))
             for split in [min(fused.GREEDY_SPLIT_MAX, cdiv(8192, p["B"]), cdiv(V, p["block"]))]
         },

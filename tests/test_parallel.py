@@ -156,10 +156,10 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     mine = cases[:, layout.rank * Vl : (layout.rank + 1) * Vl]
     out["sampler"] = sampling.sample(mine, layout.rank * Vl, *params.values()).tolist()
     out["sampler_greedy"] = sampling.greedy(mine[:2], layout.rank * Vl).tolist()
-    for cases_name, (cases, params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
-        mine = cases.float()[:, layout.rank * Vl : (layout.rank + 1) * Vl]
-        out[f"triton_{cases_name}"] = sampling.sample(mine, layout.rank * Vl, *params.values(), triton=True).tolist()
-        out[f"triton_{cases_name}_greedy"] = sampling.greedy(mine, layout.rank * Vl, triton=True).tolist()
+    for name, (rows, row_params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
+        mine = rows.float()[:, layout.rank * Vl : (layout.rank + 1) * Vl]
+        out[f"triton_{name}"] = sampling.sample(mine, layout.rank * Vl, *row_params.values(), triton=True).tolist()
+        out[f"triton_{name}_greedy"] = sampling.greedy(mine, layout.rank * Vl, triton=True).tolist()
 
     if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
         from qmoe.export import ExportSettings
@@ -282,9 +282,9 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     cases, params = sampler_cases(V)
     assert got["sampler"] == naive_sampling.sample(cases, *params.values()).tolist()
     assert got["sampler_greedy"] == naive_sampling.greedy(cases[:2]).tolist()
-    for name, (cases, params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
-        assert got[f"triton_{name}"] == fused_sampling.sample(cases.float(), *params.values()).tolist(), name
-        assert got[f"triton_{name}_greedy"] == fused_sampling.greedy(cases.float()).tolist(), name
+    for name, (rows, row_params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
+        assert got[f"triton_{name}"] == fused_sampling.sample(rows.float(), *row_params.values()).tolist(), name
+        assert got[f"triton_{name}_greedy"] == fused_sampling.greedy(rows.float()).tolist(), name
 
     assert got["load_mismatch"] == []
     assert got["reads_repeated"] == 0
