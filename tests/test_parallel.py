@@ -69,17 +69,20 @@ def sampler_cases(V: int) -> tuple[torch.Tensor, dict]:
 def llm_cases(V: int) -> tuple[torch.Tensor, dict]:
     """Rows like a model's (N(0, 2^2) with 16 candidates lifted well above it, the lifted ones on every rank) under
     the filters users set: top-k 50 + top-p 0.9, top-p alone, min-p alone, top-k over the vocabulary, a low and a
-    high temperature; the cuts fall among the lifted tokens and in the tail."""
+    high temperature; the cuts fall among the lifted tokens and in the tail. Rows 8-9: min-p 0.3 at T = 3 drops
+    ~40 % of the mass (a min-p left out changes their tokens); rows 10-11: every logit negative (a cut whose key
+    orders negative floats backwards keeps the wrong tokens)."""
     gen = torch.Generator().manual_seed(11)
-    B = 8
+    B = 12
     logits = torch.randn(B, V, generator=gen, dtype=torch.float64) * 2
     lifted = torch.randperm(V, generator=gen)[:16]
     logits[:, lifted] += torch.linspace(12, 4, 16, dtype=torch.float64)
+    logits[10:] -= 40
     params = {
-        "temperature": torch.tensor([1.0, 1.0, 0.7, 1.0, 1.0, 0.05, 5.0, 1.0]),
-        "top_k": torch.tensor([50, 0, 0, 0, V, 50, 50, 3]),
-        "top_p": torch.tensor([0.9, 0.95, 0.5, 1.0, 1.0, 0.9, 0.9, 1.0]),
-        "min_p": torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0]),
+        "temperature": torch.tensor([1.0, 1.0, 0.7, 1.0, 1.0, 0.05, 5.0, 1.0, 3.0, 3.0, 1.0, 2.0]),
+        "top_k": torch.tensor([50, 0, 0, 0, V, 50, 50, 3, 0, 0, 3, 0]),
+        "top_p": torch.tensor([0.9, 0.95, 0.5, 1.0, 1.0, 0.9, 0.9, 1.0, 1.0, 1.0, 1.0, 0.5]),
+        "min_p": torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.0, 0.0]),
         "seed": torch.arange(B) + 100,
         "step": torch.arange(B) * 7,
     }

@@ -1715,7 +1715,7 @@ def launch_shard_candidates(
     split: int | None = None,
 ) -> torch.Tensor:
     """A vocab-parallel rank's candidates, in one launch: logits [B, V] of the tokens start .. start + V - 1 ->
-    fp64 [B, 2] (max, NaN if the row holds one; its lowest global index), or with `race` = (m fp32, temperature
+    fp64 [B, 2] (max, NaN if the row holds one; its lowest global index, start + V for a row of only -inf), or with `race` = (m fp32, temperature
     fp32, cut int32, min_p fp32, seed int64, step int64), each [B] and contiguous, fp64 [B, 4]: also the best race
     key among the kept tokens and its lowest global index (-inf and start + V where none is kept). The greedy
     kernel's chunking (block / split are tuning knobs)."""

@@ -212,6 +212,48 @@ def test_greedy_entry_point_special_rows(split):
     assert out.tolist()[:5] == [naive.INVALID_TOKEN, naive.INVALID_TOKEN, 9, naive.INVALID_TOKEN, V - 1]
 
 
+@pytest.mark.parametrize("split", [1, 3, 8])  # one chunk; chunks with a tail; chunks wholly past a slice's end
+@pytest.mark.parametrize("top_k, min_p", [(0, 0.0), (9, 0.0), (0, 0.2)], ids=["race", "cut", "min_p"])
+def test_shard_candidates_are_what_one_sampler_sees(split, top_k, min_p):
+    # a vocab-parallel rank's launch (qmoe/parallel/sampling.py) on 3 slices of 77 tokens (26 + 26 + 25, tails):
+    # each slice's max (NaN if it holds one) and its lowest global index, and its best race key among the tokens at
+    # or above a cut key with p >= min_p; the best over the slices (lowest index on ties) is the one-launch
+    # sampler's token: its race over the row, its top-k cut (the k-th largest logit's key), its min-p
+    from qmoe.parallel.sampling import choose, ordered_keys
+
+    torch.manual_seed(3)
+    B, V, W = 6, 77, 3
+    logits = (torch.randn(B, V) * 2).round()  # ties, also across slices
+    logits[1, [5, 60]] = logits[1].max() + 1  # the max tied on the first and last slice
+    logits[2, 40] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, [70, 30]] = float("inf")
+    temperature = torch.tensor([1.0, 0.8, 1.0, 1.0, 1.0, 2.0])
+    seed, step = torch.arange(B) + 7, torch.arange(B) * 3
+    finite = torch.where(logits.isfinite(), logits, float("-inf"))
+    kth = finite.topk(top_k, -1).values[:, -1] if top_k else torch.full((B,), float("-inf"))
+    cut = (ordered_keys(torch.where(kth > float("-inf"), kth, -3.0e38)) - 2**31).int()
+    m = torch.where(logits.isnan(), float("-inf"), logits).amax(-1)
+    race = (m, temperature, cut, torch.full((B,), min_p), seed, step)
+    bounds = [0, 26, 52, V]
+    mine = []
+    for w in range(W):
+        piece = logits[:, bounds[w] : bounds[w + 1]].contiguous()
+        got = fused.launch_shard_candidates(piece, bounds[w], race, block=8, split=split)
+        assert not fused.shard_arrivals(B, logits.device).any()  # each row's last chunk reset its counter
+        value, index = piece.max(-1)
+        assert torch.equal(got[:, 0].isnan(), value.isnan())
+        ok = ~value.isnan()
+        assert torch.equal(got[ok, 0], value[ok].double())
+        ok &= value > float("-inf")  # a slice of only -inf names no token (start + its length)
+        assert torch.equal(got[ok, 1], (index[ok] + bounds[w]).double())
+        greedy = fused.launch_shard_candidates(piece, bounds[w], block=8, split=split)  # the greedy form
+        torch.testing.assert_close(greedy, got[:, :2], rtol=0, atol=0, equal_nan=True)
+        mine.append(got)
+    tokens = choose(torch.stack(mine), temperature > 0)
+    assert torch.equal(tokens, fused.sample(logits, temperature, top_k, 1.0, min_p, seed, step))
+
+
 def test_mixed_greedy_and_sampled_rows():
     # sample() stays the general path: greedy rows of a mixed batch give the greedy entry point's tokens, the
     # sampled rows stay in their kept sets and are not all the argmax
