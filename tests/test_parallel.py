@@ -305,6 +305,28 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     assert per_token["all_gather"]["count"] == pytest.approx(steps / tokens)  # greedy: one gather of candidates
 
 
+@pytest.mark.parametrize("bracket", ["int32", "float64"])
+def test_global_cut_pins_the_cut_in_its_fixed_rounds(bracket):
+    # one process (the all-reduces are the identity): the search's fixed rounds find the exact cut of a brute force
+    # wherever it lies in the bracket, at both ends too (the widest bracket a round leaves is the last pivot's)
+    from qmoe.parallel.sampling import INT32_KEYS, POS_INF_KEY, global_cut, search_rounds
+
+    lo, hi = INT32_KEYS if bracket == "int32" else (-1, POS_INF_KEY)
+    assert search_rounds(lo, hi) == (4 if bracket == "int32" else 9)  # 17 at 15 pivots on float64
+    gen = torch.Generator().manual_seed(0)
+    spots = [lo + 1, lo + 2, hi - 1, hi, (lo + hi) // 2, hi - 2**20, lo + 2**20]
+    keys = torch.tensor([spots + torch.randint(lo + 1, hi, (9,), generator=gen).tolist() for _ in range(6)])
+    keys[3] = hi - 1 - torch.arange(keys.shape[1])  # a cluster at the top: every round takes the last bracket
+    weights = torch.rand(keys.shape, generator=gen, dtype=torch.float64)
+    for target_share in (0.05, 0.3, 0.7, 0.999):
+        target = weights.sum(-1) * target_share
+        got = global_cut(keys, weights, target, lo, hi)
+        for b in range(keys.shape[0]):  # the smallest key t (or lo + 1) with the weight above t below target
+            cands = sorted({lo + 1, *keys[b].tolist()})
+            want = next(t for t in cands if weights[b][keys[b] > t].sum() < target[b])
+            assert got[b].item() == want, (b, target_share)
+
+
 def test_layout_replicates_heads_beyond_tp():
     """tp = 4 over 2 kv heads: ranks 0, 1 hold head 0 and ranks 2, 3 head 1 (their q heads' GQA group)."""
     assert [Layout(4, 1, r).heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]

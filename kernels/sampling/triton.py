@@ -90,6 +90,12 @@ def _ordered_key(x):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """_ordered_key on the host: logits -> their int32 keys (fp32, -0.0 folded into +0.0) as int64."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+
+
 @triton.jit
 def _open_uniform(bits):
     """uint32 -> U in (0, 1) from its top 24 bits, (k + 0.5) / 2^24. k = 2^24 - 1 gives 1 - 2^-25, which fp32
@@ -1715,10 +1721,10 @@ def launch_shard_candidates(
     split: int | None = None,
 ) -> torch.Tensor:
     """A vocab-parallel rank's candidates, in one launch: logits [B, V] of the tokens start .. start + V - 1 ->
-    fp64 [B, 2] (max, NaN if the row holds one; its lowest global index, start + V for a row of only -inf), or with `race` = (m fp32, temperature
-    fp32, cut int32, min_p fp32, seed int64, step int64), each [B] and contiguous, fp64 [B, 4]: also the best race
-    key among the kept tokens and its lowest global index (-inf and start + V where none is kept). The greedy
-    kernel's chunking (block / split are tuning knobs)."""
+    fp64 [B, 2] (max, NaN if the row holds one; its lowest global index, start + V for a row of only -inf), or
+    with `race` = (m fp32, temperature fp32, cut int32, min_p fp32, seed int64, step int64), each [B] and
+    contiguous, fp64 [B, 4]: also the best race key among the kept tokens and its lowest global index (-inf and
+    start + V where none is kept). The greedy kernel's chunking (block / split are tuning knobs)."""
     B, V = logits.shape
     out = logits.new_empty((B, 4 if race is not None else 2), dtype=torch.float64)
     if B == 0:

@@ -17,8 +17,10 @@ Two implementations, each equal to its one-process sampler (`kernels.sampling`):
 Cuts: a token with value v survives top-k iff fewer than k tokens have p > v, and top-p iff the renormalised mass
 of the tokens with p > v is below top_p (with ties at the cut kept, as the reference's sorted cumsum keeps them).
 So each filter keeps v >= t*, t* the smallest value where that measure drops below its target; t* is found over
-the ordered bit patterns of non-negative doubles, SEARCH_PIVOTS pivots per round, SEARCH_ROUNDS rounds (fixed, so
-an exported method holds a fixed graph).
+int64 keys in v's order (torch: the bit patterns of the non-negative float64 p; triton: the sampler's int32 keys
+of the logits), SEARCH_PIVOTS pivots per round, one all-reduce of [B, SEARCH_PIVOTS] measures per round, as many
+rounds as the key range needs (fixed per range, so an exported method holds a fixed graph): 9 for float64 bit
+patterns, 4 for int32 keys.
 """
 
 import torch
@@ -30,32 +32,49 @@ from qmoe.parallel.collectives import all_gather, all_reduce, size
 
 LOG2E = 1.4426950408889634  # as kernels/sampling/triton.py: p = 2^((x - max) * log2(e) / T)
 
-SEARCH_PIVOTS = 15  # per round: the 2^63 keys shrink 16-fold
-SEARCH_ROUNDS = 17  # 16^16 >= 2^63 keys, plus the round that pins the last one
+SEARCH_PIVOTS = 255  # per round: a bracket of keys shrinks 256-fold (one all-reduce costs its latency, not bytes)
 POS_INF_KEY = 0x7FF0000000000000  # the bits of +inf as int64: the largest key of a non-negative double
+INT32_KEYS = (-(2**31) - 1, 2**31 - 1)  # below every int32 key; the largest one
 
 
-def global_cut(values: torch.Tensor, weights: torch.Tensor, target: torch.Tensor, ordered=None) -> torch.Tensor:
-    """values [B, Vl] >= 0 (a rank's slice), weights [B, Vl], target [B] > 0 -> t* [B] fp64: the smallest value t
-    with sum over every rank of weights where values > t below target. `ordered`: values.sort(-1), when the
-    caller cuts the same values twice."""
-    B = values.shape[0]
+def search_rounds(lo: int, hi: int) -> int:
+    """Rounds of `global_cut` that narrow the bracket (lo, hi] to one key, whatever the data."""
+    rounds = 0
+    while hi - lo > 1:
+        step = max(1, (hi - lo) // (SEARCH_PIVOTS + 1))
+        lo, hi = 0, max(step, hi - lo - step * SEARCH_PIVOTS)  # the widest bracket a round can leave
+        rounds += 1
+    return rounds
+
+
+def global_cut(keys: torch.Tensor, weights: torch.Tensor, target: torch.Tensor, lo: int, hi: int,
+               ordered=None) -> torch.Tensor:  # fmt: skip
+    """keys [B, Vl] int64 in (lo, hi] (a rank's slice), weights [B, Vl], target [B] > 0 -> t* [B] int64: the
+    smallest key t with the sum over every rank of the weights where keys > t below target (hi if none is; lo + 1
+    if every key's is). `ordered`: keys.sort(-1), when the caller cuts the same keys twice."""
+    B = keys.shape[0]
     # once per call: each pivot is then a binary search, not a pass over Vl
-    ascending, order = values.sort(-1) if ordered is None else ordered
+    ascending, order = keys.sort(-1) if ordered is None else ordered
     prefix = F.pad(weights.gather(1, order).cumsum(-1), (1, 0))  # [B, Vl + 1]: weight of the k smallest
-    lo = torch.full((B,), -1, dtype=torch.int64, device=values.device)  # measure(lo) >= target (or below 0)
-    hi = torch.full((B,), POS_INF_KEY, dtype=torch.int64, device=values.device)  # measure(hi) < target
-    j = torch.arange(1, SEARCH_PIVOTS + 1, device=values.device)
-    for _ in range(SEARCH_ROUNDS):
-        step = ((hi - lo) // (SEARCH_PIVOTS + 1)).clamp(min=1)
-        pivots = torch.minimum(lo[:, None] + step[:, None] * j, hi[:, None])  # [B, P] ascending keys
-        at_most = torch.searchsorted(ascending, pivots.view(torch.float64), right=True)  # [B, P]: values <= pivot
+    low = torch.full((B,), lo, dtype=torch.int64, device=keys.device)  # measure(low) >= target (or below all keys)
+    high = torch.full((B,), hi, dtype=torch.int64, device=keys.device)  # measure(high) < target
+    j = torch.arange(1, SEARCH_PIVOTS + 1, device=keys.device)
+    for _ in range(search_rounds(lo, hi)):
+        step = ((high - low) // (SEARCH_PIVOTS + 1)).clamp(min=1)
+        pivots = torch.minimum(low[:, None] + step[:, None] * j, high[:, None])  # [B, P] ascending keys
+        at_most = torch.searchsorted(ascending, pivots, right=True)  # [B, P]: keys <= pivot
         measure = all_reduce(prefix[:, -1:] - prefix.gather(1, at_most), "world")  # [B, P]: weight above pivot
         below = measure < target[:, None]
         first = torch.where(below.any(-1), below.int().argmax(-1), SEARCH_PIVOTS)  # first pivot below target
-        lo = torch.where(first > 0, pivots.gather(1, (first - 1).clamp(min=0)[:, None])[:, 0], lo)
-        hi = torch.where(first < SEARCH_PIVOTS, pivots.gather(1, first.clamp(max=SEARCH_PIVOTS - 1)[:, None])[:, 0], hi)
-    return hi.view(torch.float64)
+        low = torch.where(first > 0, pivots.gather(1, (first - 1).clamp(min=0)[:, None])[:, 0], low)
+        high = torch.where(first < SEARCH_PIVOTS, pivots.gather(1, first.clamp(max=SEARCH_PIVOTS - 1)[:, None])[:, 0],
+                           high)  # fmt: skip
+    return high
+
+
+def probability_cut(probs: torch.Tensor, weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """global_cut over float64 probs [B, Vl] >= 0 (their bit patterns are keys in their order) -> t* [B] fp64."""
+    return global_cut(probs.view(torch.int64), weights, target, -1, POS_INF_KEY).view(torch.float64)
 
 
 def first_argmax(x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +124,11 @@ def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, tri
     probs = exp / all_reduce(exp.sum(-1), "world")[:, None]  # softmax over the whole vocabulary
     keep = probs > 0
     k = top_k.clamp(max=V)
-    kth = global_cut(probs, torch.ones_like(probs), k.clamp(min=1).double())  # fewer than k tokens above
+    kth = probability_cut(probs, torch.ones_like(probs), k.clamp(min=1).double())  # fewer than k tokens above
     keep &= torch.where(k[:, None] > 0, probs >= kth[:, None], True)
     masked = torch.where(keep, probs, 0)
     renorm = masked / all_reduce(masked.sum(-1), "world")[:, None]
-    cut = global_cut(renorm, renorm, top_p)  # less than top_p of the kept mass above
+    cut = probability_cut(renorm, renorm, top_p)  # less than top_p of the kept mass above
     keep &= torch.where(top_p[:, None] < 1, renorm >= cut[:, None], True)
     keep &= probs >= min_p[:, None] * all_reduce(probs.max(-1).values, "world", "max")[:, None]
     race = torch.where(keep, probs / -uniform_noise(seed, step, Vl, start).log(), -1.0)
@@ -117,14 +136,8 @@ def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, tri
     return choose(all_gather(mine, "world"), temperature > 0)
 
 
-def ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x (not NaN, -0.0 folded into +0.0) -> fp64 >= 0 in x's order: the Triton sampler's int32 key + 2^31."""
-    bits = x.view(torch.int32)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).double() + 2**31
-
-
 def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
-    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as keys, the race
+    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys, the race
     in `shard_candidates`."""
     B = logits.shape[0]
 
@@ -134,19 +147,20 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     temperature, top_p, min_p = (per_row(v, torch.float32) for v in (temperature, top_p, min_p))
     top_k, seed, step = (per_row(v, torch.int64) for v in (top_k, seed, step))
     sampled = temperature > 0
-    x = logits.float() + 0.0  # [B, Vl] the kernel's values (-0.0 as +0.0)
+    x = logits.float()  # [B, Vl] the kernel's values
     finite = x.isfinite()
     m = all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")  # [B] the row's max
     c = torch.where(sampled, LOG2E / temperature.clamp(min=1e-30), LOG2E)  # fp32, as the kernel's
     mass = torch.where(finite, torch.exp2((x.double() - m.double()[:, None]) * c.double()[:, None]), 0.0)
-    keys = ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
+    keys = triton_sampling().ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
     ordered = keys.sort(-1)
-    kth = global_cut(keys, finite.double(), top_k.clamp(min=1).double(), ordered)  # fewer than k finite above
-    cut = torch.where(top_k > 0, kth, 0.0)  # k >= the finite tokens: cut 0, every finite token kept
+    kth = global_cut(keys, finite.double(), top_k.clamp(min=1).double(), *INT32_KEYS, ordered)  # < k finite above
+    cut = torch.where(top_k > 0, kth, INT32_KEYS[0] + 1)  # k >= the finite tokens: the lowest key, every one kept
     kept = torch.where(keys >= cut[:, None], mass, 0.0)
     target = top_p.double() * all_reduce(kept.sum(-1), "world")  # top_p of the top-k set's mass
-    cut = torch.where(top_p < 1, torch.maximum(cut, global_cut(keys, kept, target, ordered)), cut)
-    race = (m, temperature, (cut - 2**31).long().int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
+    p_cut = global_cut(keys, kept, target, *INT32_KEYS, ordered)
+    cut = torch.where(top_p < 1, torch.maximum(cut, p_cut), cut)
+    race = (m, temperature, cut.int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
     mine = triton_sampling().shard_candidates(logits, start, race)
     return choose(all_gather(mine, "world"), sampled)
 

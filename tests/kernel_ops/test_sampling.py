@@ -219,7 +219,7 @@ def test_shard_candidates_are_what_one_sampler_sees(split, top_k, min_p):
     # each slice's max (NaN if it holds one) and its lowest global index, and its best race key among the tokens at
     # or above a cut key with p >= min_p; the best over the slices (lowest index on ties) is the one-launch
     # sampler's token: its race over the row, its top-k cut (the k-th largest logit's key), its min-p
-    from qmoe.parallel.sampling import choose, ordered_keys
+    from qmoe.parallel.sampling import choose
 
     torch.manual_seed(3)
     B, V, W = 6, 77, 3
@@ -232,7 +232,7 @@ def test_shard_candidates_are_what_one_sampler_sees(split, top_k, min_p):
     seed, step = torch.arange(B) + 7, torch.arange(B) * 3
     finite = torch.where(logits.isfinite(), logits, float("-inf"))
     kth = finite.topk(top_k, -1).values[:, -1] if top_k else torch.full((B,), float("-inf"))
-    cut = (ordered_keys(torch.where(kth > float("-inf"), kth, -3.0e38)) - 2**31).int()
+    cut = fused.ordered_keys(torch.where(kth > float("-inf"), kth, -3.0e38)).int()
     m = torch.where(logits.isnan(), float("-inf"), logits).amax(-1)
     race = (m, temperature, cut, torch.full((B,), min_p), seed, step)
     bounds = [0, 26, 52, V]
@@ -454,12 +454,6 @@ def radix_modes(V):
             (0, 0.999, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.0), (V // 2, 0.95, 0.02)]  # fmt: skip
 
 
-def ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' order-preserving int32 keys of fp32 logits (-0.0 folded into +0.0) -> int64."""
-    bits = (x.float() + 0.0).view(torch.int32)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
-
-
 def run_with_state(logits, temperature, modes, **knobs):
     """One launch over rows = modes x (rows of logits) -> (tokens, radix state, per-row parameters)."""
     n = len(modes)
@@ -489,7 +483,7 @@ def check_radix_rows(out, state, rows, temperature, top_k, top_p, min_p, bins, e
     radix = state[:, fused.S_PATH.value] == fused.PATH_RADIX.value
     if exact:
         # tokens whose float64 p underflows to 0 (T = 0.05) are in no reference set, and never win a race
-        kept = (ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (probs > 0)
+        kept = (fused.ordered_keys(rows) >= state[:, fused.S_CUT.value, None]) & (probs > 0)
         ref = naive.filter_probs(probs, top_k, top_p.double(), torch.zeros_like(min_p).double())
         bad = (kept != ref)[radix].sum(-1) > slack * ref[radix].sum(-1)
         assert not bad.any(), f"kept set differs from the reference in {int(bad.sum())} radix rows"
@@ -545,7 +539,7 @@ def test_radix_rounds_never_exceed_the_bound(bins):
     check_radix_rows(*got, bins=bins, exact=False)
     # the exact number of top-k rounds, from the whole key range: a bracket of w keys shrinks to ceil(w / bins) a
     # round, until it is one key or holds <= cap tokens (then a gather lists it)
-    keys = ordered_keys(rows)
+    keys = fused.ordered_keys(rows)
     bound = fused.rounds_per_phase(bins)
     top_k = torch.tensor([m[0] for m in modes] * B)
     for r in range(len(rows)):
@@ -993,7 +987,7 @@ def test_group_bound_is_at_or_below_the_kth_logit(V, block, split, exact):
     state = torch.zeros(n, fused.N_STATE.value, dtype=torch.int64)
     out = fused.launch(rows, torch.ones(n), top_k, torch.ones(n), torch.zeros(n), torch.zeros(n, dtype=torch.long),
                        torch.arange(n), block=block, split=split, state=state)  # fmt: skip
-    kth = ordered_keys(rows.sort(-1, descending=True).values[torch.arange(n), top_k - 1])
+    kth = fused.ordered_keys(rows.sort(-1, descending=True).values[torch.arange(n), top_k - 1])
     spec = state[:, fused.S_SPEC.value]
     assert (spec <= kth).all()
     if exact:
@@ -1029,7 +1023,7 @@ def test_list_from_tiles_holds_every_logit_at_or_above_its_threshold(V, block, s
                        split=split, state=state)  # fmt: skip
     assert (state[:, fused.S_PATH.value] == fused.PATH_LIST.value).all()
     spec = state[:, fused.S_SPEC.value]
-    at_or_above = (ordered_keys(logits) >= spec[:, None]) & (logits > float("-inf"))
+    at_or_above = (fused.ordered_keys(logits) >= spec[:, None]) & (logits > float("-inf"))
     listed = state[:, fused.S_LISTED.value]
     assert torch.equal(listed, at_or_above.sum(1)), (listed, at_or_above.sum(1))
     assert listed[:-1].min() >= k and listed[-1] == 3
@@ -1059,7 +1053,7 @@ def test_tile_maxima_pass_gives_the_tokens_of_every_statistic():
     tiled = fused.launch(*args, block=2048, split=8, tiles=True, state=state)
     assert tiled.tolist()[1:3] == [fused.INVALID_TOKEN, 900]
     assert torch.equal(tiled, fused.launch(*args, block=2048, split=8, tiles=False))
-    assert (state[3:, fused.S_SPEC.value] == ordered_keys(torch.tensor(-3.4028234663852886e38))).all()
+    assert (state[3:, fused.S_SPEC.value] == fused.ordered_keys(torch.tensor(-3.4028234663852886e38))).all()
     assert (state[3:, fused.S_LISTED.value] == 3).all() and set(tiled[3:].tolist()) == {5000, 9001, 14_999}
     assert (state[[0, *range(3, B)], fused.S_PATH.value] == fused.PATH_LIST.value).all()
 
