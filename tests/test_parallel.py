@@ -525,6 +525,21 @@ def test_expert_parallel_on_the_triton_moe_equals_one_process(tmp_path):
         assert tokens[0] == tokens[1] and len(tokens[0]) == batch, tokens
 
 
+@pytest.mark.slow
+def test_tensor_parallel_on_every_triton_kernel_samples_one_process_tokens(tmp_path):
+    # kernels=triton at tp = 2 (CPU interpreter): every op group's Triton kernel on its shard, the sampler's
+    # vocab-parallel form with every filter on, gives one process's sampled tokens
+    common = ["logger=none", "kernels=triton", "generation.max_new_tokens=4", "sampling.temperature=0.8",
+              "sampling.top_k=20", "sampling.top_p=0.9", "sampling.min_p=0.02"]  # fmt: skip
+    one = cli([sys.executable, "run.py", *common, f"hydra.run.dir={tmp_path}/one"], timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = torchrun(2, "run.py", "parallel.tp=2", *common, f"hydra.run.dir={tmp_path}/tp", timeout=300)
+    assert two.returncode == 0, two.stderr
+    docs = [json.loads((tmp_path / f"{r}/results.json").read_text()) for r in ("one", "tp")]
+    assert docs[1]["config"]["kernels"]["sampling"] == "triton"
+    assert docs[0]["generated"]["token_ids"] == docs[1]["generated"]["token_ids"]
+
+
 FAILING_RANK = """
 import os, runpy, sys
 sys.path.insert(0, {root!r})
