@@ -40,7 +40,7 @@ WARPS = {"tiles": TILE_WARPS, "gather_count": COUNT_WARPS}  # kernels_at's names
 INT_POINTERS = {"top_k_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "part_i_ptr": "*i32",
                 "search_i_ptr": "*i32", "buf_idx_ptr": "*i32", "counter_ptr": "*i32", "out_ptr": "*i64",
                 "state_i_ptr": "*i64", "round_cnt_ptr": "*i32", "race_i_ptr": "*i32",
-                "tile_list_ptr": "*i32", "cut_ptr": "*i32", "arrivals_ptr": "*i32",
+                "tile_list_ptr": "*i32", "cut_ptr": "*i32", "arrivals_ptr": "*i32", "part_idx_ptr": "*i32",
                 "cand_ptr": "*fp64"}  # fmt: skip
 
 
@@ -92,6 +92,7 @@ def kernels_at(p: dict) -> dict:
                "GRID": False, "PDL": True}  # fmt: skip
     grid = resolve | {"SPLIT": next_power_of_2(p["split"]), "PERSISTENT": False, "GRID": True}  # launch(grid_steps=)
     programs, programs_r = p["B"] * p["split"], p["B"] * p["resolve_split"]  # one row per program on the GPU
+    greedy_split = min(fused.GREEDY_SPLIT_MAX, cdiv(8192, p["B"]), cdiv(V, p["block"]))  # launch_greedy's
     return {
         "stats": (
             fused._stats_kernel,
@@ -102,6 +103,11 @@ def kernels_at(p: dict) -> dict:
         "gather_count": (fused._gather_count_kernel, gather, count_programs(p)),
         "resolve": (fused._resolve_kernel, resolve, programs_r),
         "resolve_grid": (fused._resolve_kernel, grid, min(SMS, programs)),
+        "greedy": (  # the greedy entry point (one GPU)
+            fused._greedy_kernel,
+            {"BLOCK": p["block"], "SPLIT": next_power_of_2(greedy_split), "PDL": True},
+            p["B"] * greedy_split,
+        ),
         # a vocab-parallel rank's launch (qmoe/parallel/sampling.py), greedy and sampled, at the greedy's chunking
         **{
             name: (
@@ -110,7 +116,7 @@ def kernels_at(p: dict) -> dict:
                 p["B"] * split,
             )
             for name, race in (("shard_greedy", False), ("shard_race", True))
-            for split in [min(fused.GREEDY_SPLIT_MAX, cdiv(8192, p["B"]), cdiv(V, p["block"]))]
+            for split in [greedy_split]
         },
     }
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "script, kernels",
     [
-        ("aot_sampling.py", 14),  # the sampler's launches (launch 3 both ways; a vocab-parallel rank's 2), B = 1, 256
+        ("aot_sampling.py", 16),  # the sampler's launches, greedy, a vocab-parallel rank's 2, at B = 1 and 256
         ("aot_decode_sass.py", 8),  # the 35B decode step's projections, MoE pair, DeltaNet and attention (H200 tables)
     ],
 )

@@ -1523,6 +1523,33 @@ def launch(logits, temperature, top_k, top_p, min_p, seed, step, block=None, cap
 
 
 # one counter per row: the row's last chunk to arrive combines the row's chunks (invariants: ArrivalCounters)
+@triton.jit
+def _argmax_step(x, cols, best, best_idx):
+    """A block of a running argmax per slot -> (best, best_idx): strict, so a slot keeps its earliest index on ties
+    and a NaN never moves it."""
+    up = x > best
+    best_idx = tl.where(up, cols, best_idx)  # before best: the order the greedy kernel's SASS was timed with
+    return tl.where(up, x, best), best_idx
+
+
+@triton.jit
+def _lowest_argmax(best, best_idx, none):
+    """The slots' max and its lowest index (`none` where no slot holds it: a NaN max)."""
+    m = tl.max(best, 0)
+    return m, tl.min(tl.where(best == m, best_idx, none), 0)
+
+
+@triton.jit
+def _combine_chunk_maxima(max_ptrs, idx_ptrs, mask):
+    """A row's last program: its chunks' (max, lowest index) partials -> (any NaN, the max of the others, its lowest
+    index). Read past L1 (.cg): other programs wrote them."""
+    ms = tl.load(max_ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    idxs = tl.load(idx_ptrs, mask=mask, other=2**31 - 1, cache_modifier=".cg")
+    has_nan = tl.max((ms != ms).to(tl.int32), 0) > 0
+    m, idx = _lowest_argmax(tl.where(ms != ms, float("-inf"), ms), idxs, 2**31 - 1)
+    return has_nan, m, idx
+
+
 greedy_arrivals = ArrivalCounters()
 # each chunk's maximum and its index, written before the row's last chunk reads them (invariants: Workspaces)
 greedy_workspace = Workspaces()
@@ -1549,11 +1576,8 @@ def _greedy_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, arr
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         nan_seen |= (x != x).to(tl.int32)
-        up = x > best  # strict: a slot keeps its earliest index on ties; NaN never moves it
-        best_idx = tl.where(up, cols, best_idx)
-        best = tl.where(up, x, best)
-    m = tl.max(best, 0)
-    idx = tl.min(tl.where(best == m, best_idx, V), 0)
+        best, best_idx = _argmax_step(x, cols, best, best_idx)
+    m, idx = _lowest_argmax(best, best_idx, V)
     parts = row * split
     tl.store(part_max_ptr + parts + chunk, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m))
     tl.store(part_idx_ptr + parts + chunk, idx)
@@ -1562,12 +1586,7 @@ def _greedy_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, arr
     arrivals = arrivals_ptr + row
     if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == split - 1:
         sp = tl.arange(0, SPLIT)
-        pm = sp < split
-        ms = tl.load(part_max_ptr + parts + sp, mask=pm, other=float("-inf"), cache_modifier=".cg")
-        idxs = tl.load(part_idx_ptr + parts + sp, mask=pm, other=2**31 - 1, cache_modifier=".cg")
-        has_nan = tl.max((ms != ms).to(tl.int32), 0) > 0
-        m = tl.max(tl.where(ms != ms, float("-inf"), ms), 0)
-        idx = tl.min(tl.where(ms == m, idxs, 2**31 - 1), 0)
+        has_nan, m, idx = _combine_chunk_maxima(part_max_ptr + parts + sp, part_idx_ptr + parts + sp, sp < split)
         tl.store(out_ptr + row, tl.where(has_nan | (m == float("-inf")), INVALID, idx.to(tl.int64)))
         tl.store(arrivals, 0)
 
@@ -1672,44 +1691,33 @@ def _shard_candidates_kernel(logits_ptr, stride_row, B, V, start, m_ptr, tempera
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 as +0.0
         nan_seen |= (x != x).to(tl.int32)
-        up = x > best  # strict: a slot keeps its earliest index on ties; NaN never moves it
-        best_idx = tl.where(up, cols, best_idx)
-        best = tl.where(up, x, best)
+        best, best_idx = _argmax_step(x, cols, best, best_idx)
         if RACE:
             keep = (_ordered_key(x) >= cut) & (x > float("-inf")) & (tl.exp2((x - m) * c) >= min_p)
             race = tl.where(keep, _race_key(x, m, c, seed, step, cols + start), float("-inf"))
-            up = race > race_best
-            race_idx = tl.where(up, cols, race_idx)
-            race_best = tl.where(up, race, race_best)
-    m_chunk = tl.max(best, 0)
+            race_best, race_idx = _argmax_step(race, cols, race_best, race_idx)
+    m_chunk, idx = _lowest_argmax(best, best_idx, V)
     parts = (row * split + chunk) * 2
     tl.store(part_f_ptr + parts, tl.where(tl.max(nan_seen, 0) > 0, float("nan"), m_chunk))
-    tl.store(part_i_ptr + parts, tl.min(tl.where(best == m_chunk, best_idx, V), 0))
+    tl.store(part_i_ptr + parts, idx)
     if RACE:
-        r_chunk = tl.max(race_best, 0)
+        r_chunk, r_idx = _lowest_argmax(race_best, race_idx, V)
         tl.store(part_f_ptr + parts + 1, r_chunk)
-        tl.store(part_i_ptr + parts + 1, tl.min(tl.where(race_best == r_chunk, race_idx, V), 0))
+        tl.store(part_i_ptr + parts + 1, r_idx)
     # every thread's stores before the release, every read of the others' partials after the acquire
     tl.debug_barrier()
     arrivals = arrivals_ptr + row
     if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == split - 1:
         sp = tl.arange(0, SPLIT)
-        pm = sp < split
         slots = (row * split + sp) * 2
-        ms = tl.load(part_f_ptr + slots, mask=pm, other=float("-inf"), cache_modifier=".cg")
-        idxs = tl.load(part_i_ptr + slots, mask=pm, other=2**31 - 1, cache_modifier=".cg")
-        has_nan = tl.max((ms != ms).to(tl.int32), 0) > 0
-        m_row = tl.max(tl.where(ms != ms, float("-inf"), ms), 0)
-        idx = tl.min(tl.where(ms == m_row, idxs, 2**31 - 1), 0)
+        has_nan, m_row, idx = _combine_chunk_maxima(part_f_ptr + slots, part_i_ptr + slots, sp < split)
         out = cand_ptr + row * (4 if RACE else 2)
         tl.store(out, tl.where(has_nan, float("nan"), m_row).to(tl.float64))
         tl.store(out + 1, (idx + start).to(tl.float64))
         if RACE:
-            rs = tl.load(part_f_ptr + slots + 1, mask=pm, other=float("-inf"), cache_modifier=".cg")
-            ris = tl.load(part_i_ptr + slots + 1, mask=pm, other=2**31 - 1, cache_modifier=".cg")
-            r_row = tl.max(rs, 0)
+            _, r_row, r_idx = _combine_chunk_maxima(part_f_ptr + slots + 1, part_i_ptr + slots + 1, sp < split)
             tl.store(out + 2, r_row.to(tl.float64))
-            tl.store(out + 3, (tl.min(tl.where(rs == r_row, ris, 2**31 - 1), 0) + start).to(tl.float64))
+            tl.store(out + 3, (r_idx + start).to(tl.float64))
         tl.store(arrivals, 0)
 
 
