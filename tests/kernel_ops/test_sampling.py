@@ -1168,3 +1168,36 @@ def test_sort_network_is_tl_sort(dtype):
     kernel[(1,)](x, net, ref, R=4, N=64, LOG_N=6)
     assert fused.SORT_NETWORK.value  # the CPU tests run the network
     assert torch.equal(net, ref) and torch.equal(net, x.sort(-1, descending=True).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FAMILIES)
+def test_gpu_vocab_parallel_form_is_the_samplers_token(shape):
+    # the vocab-parallel form (qmoe/parallel/sampling.py) in one process at V = 248,320, the GPU's chunking and PDL:
+    # its token is sample()'s under top-k 50 + top-p 0.9, top-p alone, min-p alone; the candidates of two halves,
+    # combined, are the whole row's; captured in a CUDA graph, replays give the eager tokens
+    from qmoe.parallel import sampling as vocab_parallel
+
+    B = 8
+    logits, temperature = family_logits(shape, B, V_FULL, seed=3, device="cuda")
+    seed, step = torch.arange(B, device="cuda") + 11, torch.arange(B, device="cuda") * 5
+    for top_k, top_p, min_p in ((50, 0.9, 0.0), (0, 0.95, 0.0), (0, 1.0, 0.05)):
+        args = (temperature, top_k, top_p, min_p, seed, step)
+        want = fused.sample(logits, *args)
+        got = vocab_parallel.sample(logits, 0, *args, triton=True)
+        assert torch.equal(got, want), (shape, top_k, top_p, min_p)
+    assert torch.equal(vocab_parallel.greedy(logits, 0, triton=True), fused.greedy(logits))
+    m = logits.float().amax(-1)
+    cut = torch.full((B,), -(2**31), dtype=torch.int32, device="cuda")  # the race over every finite token
+    race = (m, torch.full((B,), temperature, device="cuda"), cut, torch.zeros(B, device="cuda"), seed, step)
+    whole = fused.launch_shard_candidates(logits, 0, race)
+    half = V_FULL // 2
+    halves = [fused.launch_shard_candidates(logits[:, :half], 0, race),
+              fused.launch_shard_candidates(logits[:, half:].contiguous(), half, race)]  # fmt: skip
+    sampled = torch.ones(B, dtype=torch.bool, device="cuda")
+    assert torch.equal(vocab_parallel.choose(torch.stack(halves), sampled), vocab_parallel.choose(whole[None], sampled))
+    graph, out = captured(lambda: vocab_parallel.sample(logits, 0, temperature, 50, 0.9, 0.0, seed, step, triton=True))
+    for i in range(3):
+        step += 1
+        graph.replay()
+        assert torch.equal(out, fused.sample(logits, temperature, 50, 0.9, 0.0, seed, step)), i
