@@ -141,8 +141,10 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     in `shard_candidates`."""
     B = logits.shape[0]
 
-    def per_row(v, dtype):
-        return torch.as_tensor(v, device=logits.device).to(dtype).expand(B).contiguous()
+    def per_row(v, dtype):  # a scalar as a fill kernel, not a host copy: a CUDA graph can capture it
+        if isinstance(v, torch.Tensor):
+            return v.to(device=logits.device, dtype=dtype).expand(B).contiguous()
+        return torch.full((B,), v, dtype=dtype, device=logits.device)
 
     temperature, top_p, min_p = (per_row(v, torch.float32) for v in (temperature, top_p, min_p))
     top_k, seed, step = (per_row(v, torch.int64) for v in (top_k, seed, step))
