@@ -6,7 +6,9 @@
 Rows, in order (JSON rewritten after each, rank 0 writes it):
 - check: before anything is timed, TP2 equals one process: the 35B shape cut to 4 layers in fp32 on torch ops
   (greedy tokens equal, logits relative error < 1e-4; rank 0 also builds the unsharded model), and the same in
-  bf16 on the Triton kernels the timed rows use (token agreement and logits error reported, error < 3e-2 checked).
+  bf16 on the Triton kernels the timed rows use (token agreement and logits error reported, error < 3e-2 checked);
+  at every step the vocab-parallel sampler (top-k 50 + top-p 0.9 at T 0.8) draws the token that one GPU's sampler
+  draws from the gathered logits (checked).
 - allreduce: µs per qmoe::all_reduce call inside a CUDA graph (100 calls captured, replayed, CUDA events) of one
   decode token's hidden state ([1, H] bf16, H = 2048 and 3072) and of batch 32 ([32, H]).
 - 35b: decode batch 1, prompt 128: runtime=cuda_native, copy-elided export, Triton kernels (the sampler's
@@ -72,6 +74,7 @@ def free_models() -> None:
 def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
     """TP logits and greedy tokens against one process (rank 0 builds the unsharded model too), step by step on
     the same inputs (the TP run's tokens), so one near-tie cannot make every later step differ."""
+    import kernels as kernels_module
     from kernels.sampling import naive
     from qmoe.parallel import sampling
 
@@ -88,13 +91,17 @@ def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
         full.setup_caches(1, 64)
     prompt = torch.arange(3, 3 + 16, device=device)[None]
     pos = torch.zeros(1, dtype=torch.int64, device=device)
-    mine, theirs, errs = [], [], []
+    one_gpu = kernels_module.resolve("sampling", kernels)  # the sampler one GPU runs with these kernels
+    mine, theirs, errs, sampled = [], [], [], []
     x, y = prompt, prompt
-    for _ in range(steps):
+    for i in range(steps):
         local = model(x, pos)  # [1, V / world]
         # what the TP run samples, without the logits gathered
         token = sampling.greedy(local, model.vocab_start, triton=kernels == "triton")
         logits = collectives.all_gather(local, "world").permute(1, 0, 2).flatten(1)  # [1, V]: only to compare
+        params = (0.8, 50, 0.9, 0.0, 3, i)  # every rank: its sampled token against one GPU's on the same logits
+        drawn = sampling.sample(local, model.vocab_start, *params, triton=kernels == "triton")
+        sampled.append(drawn.item() == one_gpu.sample(logits, *params).item())
         mine.append(token.item())
         if full is not None:
             ref = full(y, pos)
@@ -102,7 +109,7 @@ def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
             errs.append(((logits.double() - ref.double()).norm() / ref.double().norm()).item())
         pos = pos + x.shape[1]
         x = y = token[:, None]
-    out = {"dtype": str(dtype), "kernels": kernels, "tp_tokens": mine}
+    out = {"dtype": str(dtype), "kernels": kernels, "tp_tokens": mine, "sampled_equal": all(sampled)}
     if full is not None:
         out.update(one_process_tokens=theirs, logits_rel_err_max=max(errs), tokens_equal=mine == theirs)
     del model, full
@@ -197,10 +204,11 @@ def main():
             c = check(dict(arch), layout, dtype, kernels)
             if rank0():
                 c["ok"] = c["logits_rel_err_max"] < tolerance and (c["tokens_equal"] or dtype != torch.float32)
+                c["ok"] &= c["sampled_equal"]
                 doc["checks"].append(c)
                 print(
                     f"check {c['dtype']} {kernels}: rel err {c['logits_rel_err_max']:.2e}, tokens equal "
-                    f"{c['tokens_equal']}",
+                    f"{c['tokens_equal']}, sampled tokens equal one GPU's sampler {c['sampled_equal']}",
                     flush=True,
                 )
             save()
