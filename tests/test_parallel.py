@@ -356,6 +356,27 @@ FP8_TP_ARCH = dict(
 )
 
 
+def slice_mismatches(model, full: dict) -> list[str]:
+    """The parameters of a sharded model that are not their slices of the unsharded model's `full` parameters:
+    values as bytes (fp8 has no equality op on the CPU), a scale's K ranges its weight's in 128-column blocks."""
+    specs = model.shard_specs()
+
+    def spec_of(name: str, ndim: int) -> dict:
+        if not name.endswith("_scale"):
+            return specs.get(name, {0: None})
+        spec = specs.get(name.removesuffix("_scale"), {0: None})
+        return {d: [(a // 128, n // 128) for a, n in r] if d == ndim - 1 and r else r for d, r in spec.items()}
+
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    return [
+        name
+        for name, p in model.named_parameters()
+        if not all(torch.equal(raw(p[dst]), raw(full[name][src])) for src, dst in shard_blocks(spec_of(name, p.dim())))
+    ]
+
+
 def fp8_rank_checks(rank: int, tp: int, ep: int, moe: str, port: int, queue) -> None:
     """One rank of the FP8 model at tp x ep: its FP8 shards against the slices of the unsharded FP8 model, its
     greedy tokens with the `moe` kernels."""
@@ -372,26 +393,9 @@ def fp8_rank_checks(rank: int, tp: int, ep: int, moe: str, port: int, queue) -> 
     layout = parallel.init(tp, ep, "cpu")
     full = dict(build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8).named_parameters())
     model = build_model(cfg, torch.float32, "cpu", seed=0, fp8=fp8, layout=layout)
-    specs = model.shard_specs()
-    params = dict(model.named_parameters())
+    specs, params = model.shard_specs(), dict(model.named_parameters())
     out = {"fp8_sharded": sorted(n for n in fp8 if n in specs and params[n].dtype == torch.float8_e4m3fn)}
-
-    def spec_of(name: str, ndim: int) -> dict:
-        """The shard spec of a parameter; a scale's K ranges are its weight's, in 128-column blocks."""
-        if not name.endswith("_scale"):
-            return specs.get(name, {0: None})
-        spec = specs.get(name.removesuffix("_scale"), {0: None})
-        return {d: [(a // 128, n // 128) for a, n in r] if d == ndim - 1 and r else r for d, r in spec.items()}
-
-    out["mismatch"] = [  # values as bytes (fp8 has no equality op on the CPU), scales as floats
-        name
-        for name, p in params.items()
-        if not all(
-            torch.equal(p[dst].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p[dst],
-                        full[name][src].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else full[name][src])
-            for src, dst in shard_blocks(spec_of(name, p.dim()))
-        )
-    ]  # fmt: skip
+    out["mismatch"] = slice_mismatches(model, full)
     model.setup_caches(2, 32)
     model.set_kernels({"moe": moe})
     out["greedy"] = generate(ReferenceRunner(model, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
@@ -416,6 +420,86 @@ def test_fp8_sharded_equals_one_process(tp, ep, moe):
     assert len(got["fp8_sharded"]) > 0  # the layout shards fp8 tensors (tp: rows and K columns; ep: experts)
     assert got["mismatch"] == []
     assert got["greedy"] == expected
+
+
+def fp8_checkpoint_rank_checks(rank: int, tp: int, ep: int, path: str, weights: str, port: int, queue) -> None:
+    """One rank's sharded load of an FP8 (or, with weights=fp8, a dense) checkpoint: its parameters against the
+    slices of the model one process loads, the bytes it reads, its greedy tokens."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * ep), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    from qmoe import parallel
+    from qmoe.checkpoint import loader
+
+    layout = parallel.init(tp, ep, "cpu")
+    full, _ = loader.load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights)
+    reads, read = [], loader.read_slice
+
+    def counted_read(f, key, index):
+        t = read(f, key, index)
+        reads.append((key, repr(index), t.nbytes))
+        return t
+
+    loader.read_slice = counted_read
+    model, info = loader.load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights, layout=layout)
+    loader.read_slice = read
+    params = dict(model.named_parameters())
+    out = {"quantization": info.quantization, "mismatch": slice_mismatches(model, dict(full.named_parameters()))}
+    specs = model.shard_specs()
+    out["fp8_sharded"] = sorted(n for n, p in params.items() if p.dtype == torch.float8_e4m3fn and n in specs)
+    out["reads_repeated"] = len(reads) - len({(k, i) for k, i, _ in reads})
+    out["bytes_read"] = sum(n for *_, n in reads)  # the weights' slices, in their stored dtype
+    stored_fp8 = loader._checked_plan(Path(path), model.config, torch.float32)[0].stored_fp8
+    out["bytes_stored"] = sum(  # what the rank's slices take in the checkpoint's dtypes (fp8, else fp32)
+        p.numel() * (1 if n in stored_fp8 else 4) for n, p in params.items() if not n.endswith("_scale")
+    )
+    model.setup_caches(2, 32)
+    out["greedy"] = generate(ReferenceRunner(model, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
+    queue.put(out if rank == 0 else None)
+    parallel.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tp,ep,quant,weights",
+    [
+        (2, 1, "fp8_block", "auto"),  # Qwen's block format held in fp8: rows and K columns with their scales
+        (1, 2, "fp8_channel", "auto"),  # compressed-tensors per channel, whole experts per rank
+        (2, 1, "fp8_block", "dense"),  # fp8 slices dequantized on load
+        (2, 1, "none", "fp8"),  # a dense checkpoint quantized on load, slice by slice
+    ],
+    ids=["tp2-block", "ep2-channel", "tp2-block-dense", "tp2-dense-to-fp8"],
+)
+def test_sharded_fp8_checkpoint_load_equals_one_process(tmp_path, tp, ep, quant, weights):
+    # each rank reads only its slices of the memory-mapped tensors (each once) and holds exactly the slices of the
+    # model one process loads from the same checkpoint, fp8 values and scales included; greedy tokens equal
+    from qmoe.checkpoint import load_checkpoint, write_checkpoint
+
+    cfg = tiny_config(**FP8_TP_ARCH)
+    path = write_checkpoint(cfg, tmp_path / quant, seed=4, dtype=torch.float32, quant=quant, shard_bytes=300_000)
+    one, _ = load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights)
+    one.setup_caches(2, 32)
+    with torch.no_grad():
+        expected = generate(ReferenceRunner(one, GREEDY, 2, TransferLedger()), PROMPTS, NEW).tokens
+    got = spawn_ranks(fp8_checkpoint_rank_checks, tp * ep, tp, ep, str(path), weights)
+    assert got["mismatch"] == []
+    assert (len(got["fp8_sharded"]) > 0) == (weights != "dense"), got["quantization"]
+    assert got["reads_repeated"] == 0
+    assert got["bytes_read"] == got["bytes_stored"]  # the slices and nothing else (the scales, read whole, aside)
+    assert got["greedy"] == expected
+
+
+def test_sharded_fp8_checkpoint_off_the_scale_blocks_is_one_line(tmp_path):
+    # the tiny model's o_proj K (4 heads x 32) split in two is 64 columns: half a scale block per rank
+    from qmoe.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
+    from qmoe.parallel.layout import Layout
+
+    path = write_checkpoint(tiny_config(), tmp_path / "ckpt", seed=4, dtype=torch.float32, quant="fp8_block")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, dtype=torch.float32, device="cpu", layout=Layout(2, 1, 0))
+    assert str(e.value) == f"{path}: " + fp8_layout_errors(tiny_config().to_dict(), 2, 1)[0]
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from kernels.fp8 import BLOCK_K, FP8, dequantize, quantize_into, rows_from_block
 from qmoe.checkpoint.staging import ShardReader, Stager
 from qmoe.model.config import ModelConfig
 from qmoe.model.qwen35_moe import Qwen35MoE, build_model, fp8_weight_names, shard_blocks
-from qmoe.parallel.layout import SINGLE, Layout
+from qmoe.parallel.layout import SINGLE, Layout, fp8_layout_errors
 
 CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"
 INDEX, SINGLE_FILE, TOKENIZER = "model.safetensors.index.json", "model.safetensors", "tokenizer.json"
@@ -438,8 +438,7 @@ def read_slice(f, key: str, index: tuple) -> torch.Tensor:
 def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bool) -> None:
     """Copy every planned tensor into its parameter (or one expert's rows of a fused one), shard by shard: fp8 into
     fp8 (and its scale), fp8 into a dense parameter dequantized on the device, dense into fp8 quantized there. A
-    sharded model (tensor / expert parallel) reads only its slices of dense tensors (load_checkpoint refuses FP8
-    tensors there)."""
+    sharded model (tensor / expert parallel) reads only its slices (_fill_slices)."""
     params = dict(model.named_parameters())
     specs = model.shard_specs()
     I = model.config.moe_intermediate_size
@@ -447,7 +446,7 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     full = _full_shapes(model)
     bar = tqdm(total=len(plan.reads), desc="load weights", unit="tensor", disable=not progress)
     if specs:
-        _fill_slices(params, specs, full, I, path, plan, tensors, bar)
+        _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar)
         bar.close()
         return
     # to a GPU through pinned buffers (one host copy per byte, copies overlapped); to the CPU straight into the
@@ -486,19 +485,48 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     bar.close()
 
 
-def _fill_slices(params, specs, full, I, path, plan, tensors, bar) -> None:
+def _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar) -> None:
     """_fill for a sharded model: each parameter's slices of its checkpoint tensors (only those bytes of the
-    mapped file are read)."""
+    mapped file are read), FP8 as in _fill: a stored FP8 slice with its scale's rows and column blocks (every K
+    split falls on the 128-column blocks: load_checkpoint checks fp8_layout_errors), kept or dequantized; a dense
+    slice quantized into an FP8 parameter (the blocks of a row, so the slice of the quantized full tensor)."""
     for file, keys in _by_file(plan.reads, tensors).items():
         with safe_open(path / file, framework="pt") as f:
             for key in keys:
                 name, expert, part = plan.reads[key]
+                dest_all, dest_scales = params[name], params.get(f"{name}_scale")
                 for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
-                    try:  # moved in its stored dtype, cast on the device
-                        params[name][dst].copy_(read_slice(f, key, index).to(params[name].device))
+                    try:  # moved in its stored dtype, converted on the device
+                        piece = read_slice(f, key, index).to(dest_all.device)
                     except Exception as e:
                         raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
+                    dest = dest_all[dst]
+                    if key in scales:  # stored fp8: the scale rows and column blocks of the piece
+                        scale = scales[key][scale_index(index, tensors[key][2])]
+                        if dest.dtype == FP8:
+                            dest.copy_(piece)
+                            dest_scales[scale_index(dst, dest_all.shape)].copy_(scale)
+                        else:
+                            dest.copy_(dequantize(piece, scale, dest.dtype))
+                    elif dest.dtype == FP8:
+                        dest_scale = dest_scales[scale_index(dst, dest_all.shape)]
+                        for d, sc, w in (
+                            [(dest, dest_scale, piece)] if dest.is_contiguous() else zip(dest, dest_scale, piece)
+                        ):  # a slice of rows of every expert: each expert's rows are contiguous
+                            quantize_into(d, sc, w)
+                    else:
+                        dest.copy_(piece)
                 bar.update()
+
+
+def scale_index(index: tuple, shape: tuple) -> tuple:
+    """The index of a weight [..., N, K] -> the index of its per-row scale [..., N, ceil(K / 128)]: the same rows,
+    the 128-column blocks of its columns (which start on a block)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    cols = index[-1]
+    lo, hi = cols.start or 0, shape[-1] if cols.stop is None else cols.stop
+    assert lo % BLOCK_K == 0, f"a K split at column {lo}, off the fp8 scale blocks"
+    return index[:-1] + (slice(lo // BLOCK_K, -(-hi // BLOCK_K)),)
 
 
 def _full_shapes(model: Qwen35MoE) -> dict[str, tuple]:
@@ -618,11 +646,10 @@ def load_checkpoint(
     hashes = file_hashes(path, files, shard_identity)
 
     fp8 = held_fp8(cfg, plan, weights, device)
-    if layout.sharded and (plan.stored_fp8 or fp8):
-        raise CheckpointError(
-            f"{path}: FP8 weights are not sharded yet (parallel.tp x parallel.ep = {layout.world}); "
-            "load it on one GPU, or a bf16 checkpoint with model.weights=dense"
-        )
+    if layout.sharded and (plan.stored_fp8 or fp8):  # each rank's K slices must hold whole scale blocks
+        errors = fp8_layout_errors(cfg.to_dict(), layout.tp, layout.ep)
+        if errors:
+            raise CheckpointError(f"{path}: {errors[0]}")
     if plan.stored_fp8 and lacks_fp8(device):
         log.warning(f"{torch.cuda.get_device_name(device)} has no FP8 support: FP8 weights dequantized on load")
     built = time.perf_counter()
