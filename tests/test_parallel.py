@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -202,15 +203,31 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     parallel.shutdown()
 
 
+def reporting_rank(target, rank: int, *args) -> None:
+    """target(rank, *args) in a rank's process; an exception goes on the queue (args[-1]) as a rank's error, so the
+    test fails at once with its traceback instead of waiting out the queue."""
+    try:
+        target(rank, *args)
+    except BaseException:
+        args[-1].put({"rank_error": f"rank {rank}:\n{traceback.format_exc()}"})
+        raise
+
+
 def spawn_ranks(target, world: int, *args) -> dict:
     """target(rank, *args, port, queue) in `world` processes -> what rank 0 put on the queue (the others put None)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=reporting_rank, args=(target, r, *args, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=300) for _ in procs]
+    results = []
+    for _ in procs:
+        results.append(queue.get(timeout=300))
+        if results[-1] is not None and "rank_error" in results[-1]:
+            for p in procs:
+                p.kill()  # its peers may wait in a collective for it
+            pytest.fail(results[-1]["rank_error"], pytrace=False)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
