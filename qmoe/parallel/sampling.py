@@ -2,7 +2,7 @@
 
 Each rank holds logits [B, V / world] of the tokens start .. start + V / world - 1. It reduces them to a few
 numbers per row and small collectives over the world combine those: the row's max (all-reduce), the filters'
-global cuts (a search over the cut value, each round one all-reduce of a few counts or masses per row), and one
+global cuts (a search over the cut value, each round one all-reduce of SEARCH_PIVOTS counts or masses per row), and one
 all-gather of each rank's candidates: its max with its lowest index (NaN if its slice holds one) and, when
 sampling, its race winner and race key. Every rank then picks the same token (`choose`). The race's noise is keyed
 by the global token index, so every token is what one process draws.
@@ -49,9 +49,9 @@ def search_rounds(lo: int, hi: int) -> int:
 
 def global_cut(keys: torch.Tensor, weights: torch.Tensor, target: torch.Tensor, lo: int, hi: int,
                ordered=None) -> torch.Tensor:  # fmt: skip
-    """keys [B, Vl] int64 in (lo, hi] (a rank's slice), weights [B, Vl], target [B] > 0 -> t* [B] int64: the
-    smallest key t with the sum over every rank of the weights where keys > t below target (hi if none is; lo + 1
-    if every key's is). `ordered`: keys.sort(-1), when the caller cuts the same keys twice."""
+    """keys [B, Vl] int64 in (lo, hi] (a rank's slice), weights [B, Vl] >= 0, target [B] > 0 -> t* [B] int64: the
+    smallest t in (lo, hi] whose measure, the sum over every rank of the weights where keys > t, is below target
+    (the measure of hi is 0). `ordered`: keys.sort(-1), when the caller cuts the same keys twice."""
     B = keys.shape[0]
     # once per call: each pivot is then a binary search, not a pass over Vl
     ascending, order = keys.sort(-1) if ordered is None else ordered
@@ -157,7 +157,7 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     keys = triton_sampling().ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
     ordered = keys.sort(-1)
     kth = global_cut(keys, finite.double(), top_k.clamp(min=1).double(), *INT32_KEYS, ordered)  # < k finite above
-    cut = torch.where(top_k > 0, kth, INT32_KEYS[0] + 1)  # k >= the finite tokens: the lowest key, every one kept
+    cut = torch.where(top_k > 0, kth, INT32_KEYS[0] + 1)  # off: the lowest key (k >= the finite tokens cuts there)
     kept = torch.where(keys >= cut[:, None], mass, 0.0)
     target = top_p.double() * all_reduce(kept.sum(-1), "world")  # top_p of the top-k set's mass
     p_cut = global_cut(keys, kept, target, *INT32_KEYS, ordered)
