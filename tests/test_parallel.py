@@ -480,22 +480,25 @@ def fp8_checkpoint_rank_checks(rank: int, tp: int, ep: int, path: str, weights: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "tp,ep,quant,weights",
+    "tp,ep,quant,weights,experts",
     [
-        (2, 1, "fp8_block", "auto"),  # Qwen's block format held in fp8: rows and K columns with their scales
-        (1, 2, "fp8_channel", "auto"),  # compressed-tensors per channel, whole experts per rank
-        (2, 1, "fp8_block", "dense"),  # fp8 slices dequantized on load
-        (2, 1, "none", "fp8"),  # a dense checkpoint quantized on load, slice by slice
+        (2, 1, "fp8_block", "auto", "fused"),  # Qwen's block format held in fp8: rows and K columns with their scales
+        (2, 1, "fp8_block", "auto", "per_expert"),  # each expert's gate / up / down tensor and scale, K split
+        (1, 2, "fp8_channel", "auto", "per_expert"),  # compressed-tensors per channel, whole experts per rank
+        (2, 1, "fp8_block", "dense", "fused"),  # fp8 slices dequantized on load
+        (2, 1, "none", "fp8", "fused"),  # a dense checkpoint quantized on load, slice by slice
     ],
-    ids=["tp2-block", "ep2-channel", "tp2-block-dense", "tp2-dense-to-fp8"],
+    ids=["tp2-block", "tp2-block-per-expert", "ep2-channel", "tp2-block-dense", "tp2-dense-to-fp8"],
 )
-def test_sharded_fp8_checkpoint_load_equals_one_process(tmp_path, tp, ep, quant, weights):
+def test_sharded_fp8_checkpoint_load_equals_one_process(tmp_path, tp, ep, quant, weights, experts):
     # each rank reads only its slices of the memory-mapped tensors (each once) and holds exactly the slices of the
     # model one process loads from the same checkpoint, fp8 values and scales included; greedy tokens equal
     from qmoe.checkpoint import load_checkpoint, write_checkpoint
 
     cfg = tiny_config(**FP8_TP_ARCH)
-    path = write_checkpoint(cfg, tmp_path / quant, seed=4, dtype=torch.float32, quant=quant, shard_bytes=300_000)
+    path = write_checkpoint(
+        cfg, tmp_path / quant, seed=4, dtype=torch.float32, quant=quant, expert_layout=experts, shard_bytes=300_000
+    )
     one, _ = load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights)
     one.setup_caches(2, 32)
     with torch.no_grad():
