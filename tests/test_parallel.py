@@ -109,6 +109,47 @@ class CollectiveCounter:
             setattr(dist, name, counted)
 
 
+def slice_mismatches(model, full: dict) -> list[str]:
+    """The parameters of a sharded model that are not their slices of the unsharded model's `full` parameters:
+    values as bytes (fp8 has no equality op on the CPU), a scale's K ranges its weight's in 128-column blocks."""
+    specs = model.shard_specs()
+
+    def spec_of(name: str, ndim: int) -> dict:
+        if not name.endswith("_scale"):
+            return specs.get(name, {0: None})
+        spec = specs.get(name.removesuffix("_scale"), {0: None})
+        return {d: [(a // 128, n // 128) for a, n in r] if d == ndim - 1 and r else r for d, r in spec.items()}
+
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    return [
+        name
+        for name, p in model.named_parameters()
+        if not all(torch.equal(raw(p[dst]), raw(full[name][src])) for src, dst in shard_blocks(spec_of(name, p.dim())))
+    ]
+
+
+def load_counting_reads(path, **kwargs):
+    """loader.load_checkpoint(path, fp32 on the CPU, **kwargs) -> (model, info, (slices read more than once, bytes
+    read)), counted at the loader's one read of a tensor slice."""
+    from qmoe.checkpoint import loader
+
+    reads, read = [], loader.read_slice
+
+    def counted_read(f, key, index):
+        t = read(f, key, index)
+        reads.append((key, repr(index), t.nbytes))
+        return t
+
+    loader.read_slice = counted_read
+    try:
+        model, info = loader.load_checkpoint(path, dtype=torch.float32, device="cpu", **kwargs)
+    finally:
+        loader.read_slice = read
+    return model, info, (len(reads) - len({(k, i) for k, i, _ in reads}), sum(n for *_, n in reads))
+
+
 def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: bool, port: int, queue) -> None:
     """Everything one rank checks; the test process compares what rank 0 reports with one process."""
     os.environ.update(
@@ -117,20 +158,13 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     from qmoe import parallel
-    from qmoe.checkpoint import loader
     from qmoe.parallel import collectives, sampling
 
     layout = parallel.init(tp, ep, "cpu")
     out = {}
     full = build_model(tiny_config(), torch.float32, "cpu", seed=0)
     model = build_model(tiny_config(), torch.float32, "cpu", seed=0, layout=layout)
-    specs = model.shard_specs()
-    fulls = dict(full.named_parameters())
-    out["init_mismatch"] = [
-        name
-        for name, p in model.named_parameters()
-        if not all(torch.equal(p[dst], fulls[name][src]) for src, dst in shard_blocks(specs.get(name, {0: None})))
-    ]
+    out["init_mismatch"] = slice_mismatches(model, dict(full.named_parameters()))
 
     model.setup_caches(2, 32)
     model.reset_caches()
@@ -180,24 +214,10 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
             out[f"exported_{name}"] = generate(runner, PROMPTS, NEW).tokens
 
     if checkpoint is not None:
-        reads, read = [], loader.read_slice
-
-        def counted_read(f, key, index):
-            t = read(f, key, index)
-            reads.append((key, repr(index), t.nbytes))
-            return t
-
-        loader.read_slice = counted_read
-        loaded, _ = loader.load_checkpoint(checkpoint, dtype=torch.float32, device="cpu", layout=layout)
+        loaded, _, reads = load_counting_reads(checkpoint, layout=layout)
         source = build_model(tiny_config(), torch.float32, "cpu", seed=3)
-        sources = dict(source.named_parameters())
-        out["load_mismatch"] = [
-            name
-            for name, p in loaded.named_parameters()
-            if not all(torch.equal(p[dst], sources[name][src]) for src, dst in shard_blocks(specs.get(name, {0: None})))
-        ]
-        out["reads_repeated"] = len(reads) - len({(k, i) for k, i, _ in reads})
-        out["bytes_read"] = sum(n for *_, n in reads)
+        out["load_mismatch"] = slice_mismatches(loaded, dict(source.named_parameters()))
+        out["reads_repeated"], out["bytes_read"] = reads
         out["bytes_held"] = sum(p.nbytes for p in loaded.parameters())
     queue.put(out if rank == 0 else None)
     parallel.shutdown()
@@ -373,27 +393,6 @@ FP8_TP_ARCH = dict(
 )
 
 
-def slice_mismatches(model, full: dict) -> list[str]:
-    """The parameters of a sharded model that are not their slices of the unsharded model's `full` parameters:
-    values as bytes (fp8 has no equality op on the CPU), a scale's K ranges its weight's in 128-column blocks."""
-    specs = model.shard_specs()
-
-    def spec_of(name: str, ndim: int) -> dict:
-        if not name.endswith("_scale"):
-            return specs.get(name, {0: None})
-        spec = specs.get(name.removesuffix("_scale"), {0: None})
-        return {d: [(a // 128, n // 128) for a, n in r] if d == ndim - 1 and r else r for d, r in spec.items()}
-
-    def raw(t):
-        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-    return [
-        name
-        for name, p in model.named_parameters()
-        if not all(torch.equal(raw(p[dst]), raw(full[name][src])) for src, dst in shard_blocks(spec_of(name, p.dim())))
-    ]
-
-
 def fp8_rank_checks(rank: int, tp: int, ep: int, moe: str, port: int, queue) -> None:
     """One rank of the FP8 model at tp x ep: its FP8 shards against the slices of the unsharded FP8 model, its
     greedy tokens with the `moe` kernels."""
@@ -452,22 +451,12 @@ def fp8_checkpoint_rank_checks(rank: int, tp: int, ep: int, path: str, weights: 
 
     layout = parallel.init(tp, ep, "cpu")
     full, _ = loader.load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights)
-    reads, read = [], loader.read_slice
-
-    def counted_read(f, key, index):
-        t = read(f, key, index)
-        reads.append((key, repr(index), t.nbytes))
-        return t
-
-    loader.read_slice = counted_read
-    model, info = loader.load_checkpoint(path, dtype=torch.float32, device="cpu", weights=weights, layout=layout)
-    loader.read_slice = read
+    model, info, (repeated, nbytes) = load_counting_reads(path, weights=weights, layout=layout)
     params = dict(model.named_parameters())
     out = {"quantization": info.quantization, "mismatch": slice_mismatches(model, dict(full.named_parameters()))}
     specs = model.shard_specs()
     out["fp8_sharded"] = sorted(n for n, p in params.items() if p.dtype == torch.float8_e4m3fn and n in specs)
-    out["reads_repeated"] = len(reads) - len({(k, i) for k, i, _ in reads})
-    out["bytes_read"] = sum(n for *_, n in reads)  # the weights' slices, in their stored dtype
+    out["reads_repeated"], out["bytes_read"] = repeated, nbytes  # the weights' slices, in their stored dtype
     stored_fp8 = loader._checked_plan(Path(path), model.config, torch.float32)[0].stored_fp8
     out["bytes_stored"] = sum(  # what the rank's slices take in the checkpoint's dtypes (fp8, else fp32)
         p.numel() * (1 if n in stored_fp8 else 4) for n, p in params.items() if not n.endswith("_scale")
