@@ -21,6 +21,9 @@ Rows, in order (JSON rewritten after each, rank 0 writes it):
 - 122b: decode batch 1 (target <= 3.5 ms/token) and batch 32 (tok/s), prompt 128, when the weights fit.
 - layouts: the routed experts split inside each expert (parallel.tp=N, the default) against whole experts per
   rank (parallel.tp=1 parallel.ep=N), 35B at batch 1 and 32, the 35b row's settings: which is faster where.
+- 397b: Qwen3.5-397B-A17B's dimensions cut to 4 layers (512 experts top-10, hidden 4096, the full vocabulary),
+  bf16 and FP8 (model.weights=fp8), decode batch 1 at TP2: the 397B issue's shapes, sharding and memory per rank
+  on the GPUs this machine has (its 4 / 8-GPU runs need a kind that is not lent).
 The all-reduce table: per decode token, count x µs per call (from the allreduce row) against the step's time.
 """
 
@@ -47,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 DEVICE = "cpu" if SMOKE else "cuda"
 FAST = ["runtime=cuda_native", "export=copy_elided", "kernels=triton"]
-ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b", "layouts")
+ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b", "layouts", "397b")
 
 
 def config(*overrides):
@@ -154,6 +157,7 @@ def decode_row(label: str, results: dict) -> dict:
         "inter_gpu_by_method": inter.get("per_decode_token_by_method"),
         "inter_gpu_prefill": inter.get("prefill"),
         "bandwidth_floor": results.get("bandwidth_floor"),
+        "memory": results.get("memory"),  # this rank's peaks (rank 0's in the JSON)
         "setup": {k: v for k, v in tr.get("setup", {}).items() if k in ("runtime", "cuda_graph", "preset", "kernels")},
         "config": {k: results["config"][k] for k in ("runtime", "export", "kernels", "parallel")},
     }
@@ -173,7 +177,9 @@ def main():
     rows = args.rows.split(",")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = parallel.init(world, 1, DEVICE)
-    model_35b, model_122b = ("qwen35_moe_tiny",) * 2 if SMOKE else ("qwen35_moe", "qwen35_moe_122b")
+    model_35b, model_122b, model_397b = (
+        ("qwen35_moe_tiny",) * 3 if SMOKE else ("qwen35_moe", "qwen35_moe_122b", "qwen35_moe_397b")
+    )
     fast = ["kernels=torch"] if SMOKE else FAST
     common = ["prompt.length=128", f"generation.max_new_tokens={args.new_tokens}"]
     tp_only = [f"parallel.tp={world}"]  # every row's layout but the layouts row's expert-parallel runs
@@ -285,6 +291,13 @@ def main():
         save()
         if rank0():
             print(f"layouts, fastest: {doc['layouts_fastest']}", flush=True)
+
+    if "397b" in rows:
+        free_models()
+        for weights in ("auto",) if SMOKE else ("auto", "fp8"):  # (the tiny model's fp8 K splits are off the blocks)
+            run(f"397b_4layers_tp_{weights}", f"model={model_397b}", "model.arch.num_hidden_layers=4", *fast,
+                f"model.weights={weights}")  # fmt: skip
+            free_models()
 
     # where the all-reduce time goes: count per token x µs per call, against the step
     table = []
