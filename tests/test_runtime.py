@@ -408,3 +408,40 @@ def test_generate_queues_the_next_step_before_reading_one():
     runner = ScriptedRunner(list(range(100, 120)))
     gen = generate(runner, [[1, 2]], max_new_tokens=10, eos_ids=[104])
     assert gen.tokens == [[102, 103, 104]] and runner.log[-2:] == [("launch", 5), ("read", 4)]
+
+
+class TwoRowRunner(ScriptedRunner):
+    """ScriptedRunner with two rows (the second's samples 1000 above the first's)."""
+
+    def start(self, prompt):
+        return torch.cat([super().start(prompt)] * 2) + torch.tensor([0, 1000])
+
+    def launch(self, forced):
+        ids = super().launch(forced)
+        return lambda: torch.cat([ids()] * 2) + torch.tensor([0, 1000])
+
+
+@pytest.mark.parametrize("at_step", [1, 4])
+def test_ctrl_c_between_a_steps_tokens_and_its_record_undoes_the_step(at_step, monkeypatch):
+    # the race the Ctrl-C CLI test once hit (289 tokens for 287 steps): SIGINT after a step's tokens were taken
+    # and before its time was recorded. The step is undone: every row holds the prefill's token and one per
+    # recorded step, and decode_tokens counts them
+    from qmoe.runtime import generate as generate_module
+
+    class InterruptedList(list):
+        def append(self, value):
+            if len(self) + 1 == at_step:
+                raise KeyboardInterrupt  # as a signal lands between the take and the record
+            super().append(value)
+
+    class Interrupted(generate_module.Generation):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.decode_ms = InterruptedList()
+
+    monkeypatch.setattr(generate_module, "Generation", Interrupted)
+    gen = generate(TwoRowRunner(list(range(100, 120))), [[1, 2], [3, 4]], max_new_tokens=8)
+    assert gen.interrupted and len(gen.decode_ms) == at_step - 1
+    assert [len(row) for row in gen.tokens] == [at_step, at_step]  # the prefill's token + one per recorded step
+    assert gen.tokens == [list(range(102, 102 + at_step)), list(range(1102, 1102 + at_step))]
+    assert gen.decode_tokens == 2 * (at_step - 1)

@@ -229,8 +229,10 @@ def _generate(runner, prompts: list[list[int]], max_new_tokens: int, eos_ids, pr
     total_steps = longest - shortest + max_new_tokens - 1
     bar = tqdm(total=total_steps, desc="decode", disable=not progress, unit="step")
     pos = shortest
+    prefill_tokens = sum(map(len, out))
     t0 = time.perf_counter()
     queued = None if all(done) else runner.launch(forced_at(pos))
+    before = None  # while a step's tokens are being taken: (rows' lengths, done) before it, to undo a half-taken step
     try:
         while queued is not None:
             # Queue the next step before reading this one's ids. A forced step merges prompt ids with the last
@@ -243,16 +245,21 @@ def _generate(runner, prompts: list[list[int]], max_new_tokens: int, eos_ids, pr
             step_ms, t0 = (now - t0) * 1e3, now
             pos += 1
             _check_tokens(tokens, launched)
-            before = sum(map(len, out))
+            before = [len(row) for row in out], list(done)
             take(tokens, pos)
-            gen.decode_ms.append(step_ms)  # a step counts once its tokens are taken: the record stays consistent
-            gen.decode_tokens += sum(map(len, out)) - before
+            gen.decode_ms.append(step_ms)  # a step counts once its tokens are taken
+            before = None
             bar.update()
             if all(done):
                 break
             queued = following if ahead else runner.launch(forced_at(pos))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (a Ctrl-C between a step's take and its record: the step is undone)
         gen.interrupted = True
+        if before is not None and len(gen.decode_ms) < launched:
+            lengths, done[:] = before
+            for row, n in zip(out, lengths):
+                del row[n:]
     finally:
         bar.close()
+        gen.decode_tokens = sum(map(len, out)) - prefill_tokens
     return gen
