@@ -55,13 +55,19 @@ def init(tp: int, ep: int, device_type: str) -> Layout:
 
 
 def shutdown() -> None:
-    """Leave the process group (at the end of a run that joined one), every rank together: a rank that tore its
-    group down while a peer's was still up could end that peer's process in an abort (gloo: SIGABRT at exit, seen
-    in 2 of ~70 two-process test runs on the CPU machine, after every result had been handed over)."""
+    """Leave the process group (at the end of a run that joined one), every rank together, and drop this module's
+    references to the groups first, so that destroy_process_group frees them (joining gloo's threads) now. A group
+    still referenced was freed at interpreter exit instead, where a gloo rank could die in "terminate called
+    without an active exception" (SIGABRT) after every result had been handed over: 3 of ~80 two-process test runs
+    on the CPU machine."""
     import torch.distributed as dist
+
+    from qmoe.parallel import collectives
 
     if dist.is_initialized():
         dist.barrier()
+        collectives.set_groups({})
+        _CURRENT["layout"] = Layout()
         dist.destroy_process_group()
 
 
