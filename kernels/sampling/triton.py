@@ -1802,20 +1802,22 @@ def _(logits, temperature, top_k, top_p, min_p, seed, step):
 
 def sample(logits, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
     """logits [B, V] (fp32 / bf16 / fp16) -> int64 [B]; parameters are [B] device tensors or scalars."""
-    B = logits.shape[0]
-
-    def per_row(x, dtype):
-        if isinstance(x, torch.Tensor):
-            return x.to(device=logits.device, dtype=dtype).expand(B)
-        return torch.full((B,), x, dtype=dtype, device=logits.device)  # a fill kernel: capturable, no copy
-
+    B, device = logits.shape[0], logits.device
     op = sample_op if kernels.tracing() else launch  # the custom op only where a tracer needs its fake
     return op(
         logits if logits.stride(-1) == 1 else logits.contiguous(),  # rows may share storage (stride 0)
-        per_row(temperature, torch.float32),
-        per_row(top_k, torch.int64),
-        per_row(top_p, torch.float32),
-        per_row(min_p, torch.float32),
-        per_row(seed, torch.int64),
-        per_row(step, torch.int64),
+        per_row(temperature, torch.float32, B, device),
+        per_row(top_k, torch.int64, B, device),
+        per_row(top_p, torch.float32, B, device),
+        per_row(min_p, torch.float32, B, device),
+        per_row(seed, torch.int64, B, device),
+        per_row(step, torch.int64, B, device),
     )
+
+
+def per_row(x, dtype: torch.dtype, B: int, device) -> torch.Tensor:
+    """A sampling parameter as a [B] tensor on `device`: a tensor converted and broadcast (stride 0 for a scalar
+    one), a Python scalar as a fill kernel (capturable: no host copy)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=dtype).expand(B)
+    return torch.full((B,), x, dtype=dtype, device=device)

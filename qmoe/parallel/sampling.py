@@ -139,12 +139,10 @@ def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, tri
 def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
     """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys, the race
     in `shard_candidates`."""
-    B = logits.shape[0]
+    B, fused = logits.shape[0], triton_sampling()
 
-    def per_row(v, dtype):  # a scalar as a fill kernel, not a host copy: a CUDA graph can capture it
-        if isinstance(v, torch.Tensor):
-            return v.to(device=logits.device, dtype=dtype).expand(B).contiguous()
-        return torch.full((B,), v, dtype=dtype, device=logits.device)
+    def per_row(v, dtype):  # contiguous: shard_candidates reads row r's parameter at r
+        return fused.per_row(v, dtype, B, logits.device).contiguous()
 
     temperature, top_p, min_p = (per_row(v, torch.float32) for v in (temperature, top_p, min_p))
     top_k, seed, step = (per_row(v, torch.int64) for v in (top_k, seed, step))
@@ -154,7 +152,7 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     m = all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")  # [B] the row's max
     c = torch.where(sampled, LOG2E / temperature.clamp(min=1e-30), LOG2E)  # fp32, as the kernel's
     mass = torch.where(finite, torch.exp2((x.double() - m.double()[:, None]) * c.double()[:, None]), 0.0)
-    keys = triton_sampling().ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
+    keys = fused.ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
     ordered = keys.sort(-1)
     kth = global_cut(keys, finite.double(), top_k.clamp(min=1).double(), *INT32_KEYS, ordered)  # < k finite above
     cut = torch.where(top_k > 0, kth, INT32_KEYS[0] + 1)  # off: the lowest key (k >= the finite tokens cuts there)
@@ -163,7 +161,7 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     p_cut = global_cut(keys, kept, target, *INT32_KEYS, ordered)
     cut = torch.where(top_p < 1, torch.maximum(cut, p_cut), cut)
     race = (m, temperature, cut.int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
-    mine = triton_sampling().shard_candidates(logits, start, race)
+    mine = fused.shard_candidates(logits, start, race)
     return choose(all_gather(mine, "world"), sampled)
 
 
