@@ -92,7 +92,7 @@ def kernels_at(p: dict) -> dict:
                "GRID": False, "PDL": True}  # fmt: skip
     grid = resolve | {"SPLIT": next_power_of_2(p["split"]), "PERSISTENT": False, "GRID": True}  # launch(grid_steps=)
     programs, programs_r = p["B"] * p["split"], p["B"] * p["resolve_split"]  # one row per program on the GPU
-    greedy_split = min(fused.GREEDY_SPLIT_MAX, cdiv(8192, p["B"]), cdiv(V, p["block"]))  # launch_greedy's
+    _, greedy_split, _ = fused.argmax_chunks(p["B"], V, True, p["block"])  # launch_greedy's
     return {
         "stats": (
             fused._stats_kernel,

@@ -1591,6 +1591,16 @@ def _greedy_kernel(logits_ptr, stride_row, B, V, part_max_ptr, part_idx_ptr, arr
         tl.store(arrivals, 0)
 
 
+def argmax_chunks(B: int, V: int, cuda: bool, block: int | None = None, split: int | None = None) -> tuple:
+    """(block, split, chunk length in blocks) of the chunked argmax launches (greedy, shard_candidates): ~8192
+    programs in all on the GPU (B = 1 spreads over every SM, and at large B the last wave leaves few SMs idle),
+    one chunk a row on the CPU; block / split given are kept (tuning knobs)."""
+    block = min(2048, next_power_of_2(V)) if block is None else block
+    if split is None:
+        split = min(GREEDY_SPLIT_MAX, cdiv(8192, B), cdiv(V, block)) if cuda else 1
+    return block, split, cdiv(cdiv(V, split), block)
+
+
 def launch_greedy(
     logits: torch.Tensor,
     block: int | None = None,
@@ -1608,13 +1618,9 @@ def launch_greedy(
     out = logits.new_empty(B, dtype=torch.int64) if out is None else out
     if B == 0:
         return out
-    if block is None:
-        block = min(2048, next_power_of_2(V))
-    if split is None:
-        split = min(GREEDY_SPLIT_MAX, cdiv(8192, B), cdiv(V, block)) if logits.is_cuda else 1
+    block, split, chunk_blocks = argmax_chunks(B, V, logits.is_cuda, block, split)
     if num_warps is None:
         num_warps = 8 if logits.is_cuda else 1
-    chunk_blocks = cdiv(cdiv(V, split), block)  # chunk length in blocks
     part_max = greedy_workspace((B, split), torch.float32, logits.device)
     part_idx = greedy_workspace((B, split), torch.int32, logits.device)
     on = pdl(logits)
@@ -1737,11 +1743,7 @@ def launch_shard_candidates(
     out = logits.new_empty((B, 4 if race is not None else 2), dtype=torch.float64)
     if B == 0:
         return out
-    if block is None:
-        block = min(2048, next_power_of_2(V))
-    if split is None:
-        split = min(GREEDY_SPLIT_MAX, cdiv(8192, B), cdiv(V, block)) if logits.is_cuda else 1
-    chunk_blocks = cdiv(cdiv(V, split), block)
+    block, split, chunk_blocks = argmax_chunks(B, V, logits.is_cuda, block, split)
     part_f = shard_workspace((B, split, 2), torch.float32, logits.device)
     part_i = shard_workspace((B, split, 2), torch.int32, logits.device)
     m, temperature, cut, min_p, seed, step = race if race is not None else (logits,) * 6  # unread without RACE
