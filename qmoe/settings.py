@@ -1,5 +1,6 @@
 """Validate a composed Hydra config into typed settings; every bad value is a one-line ConfigError naming its key."""
 
+import difflib
 import math
 import os
 import re
@@ -102,11 +103,14 @@ def first_line(e: Exception) -> str:
 
 def compose_error(e: Exception) -> str:
     """An error composing the config (Hydra's, or a bad value) as one line; an unknown option of a group comes
-    with the options there are."""
+    with the options there are, an unknown key (`generation.temprature=1`) with the keys there are."""
     first = first_line(e)
     missing = re.search(r"Could not find '([^'/]+)/", first)
     names = sorted(p.stem for p in (CONFIG_DIR / missing.group(1)).glob("*.yaml")) if missing else []
-    return f"{first}; allowed: {', '.join(names)}" if names else first
+    if names:
+        return f"{first}; allowed: {', '.join(names)}"
+    unknown = re.match(r"Could not override '([^']+)'", first)
+    return unknown_key_error(unknown.group(1)) if unknown else first
 
 
 def group_keys(group: str) -> set[str]:
@@ -117,22 +121,57 @@ def group_keys(group: str) -> set[str]:
     return keys
 
 
-def check_known_keys(cfg: DictConfig) -> None:
-    """A key nothing reads (`+foo=1`, `+sampling.tempreature=1`) is an error, not silently carried along."""
+def allowed_keys() -> dict[str, set[str]]:
+    """{group: the keys it may carry} for every config group, and "" for the top level."""
+    groups = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+    allowed = {"": {*groups, "experiment", "seed", "hydra"}}
+    for group in groups:
+        allowed[group] = group_keys(group) if group != "kernels" else set(kernels.OPS)
+    return allowed
+
+
+def unknown_key_error(key: str) -> str:
+    """'<key>: unknown key, ...; allowed: ...' for a dotted key nothing reads, with a guess where there is one: the
+    group that has its name (`generation.temperature` -> sampling.temperature), or a near spelling."""
+    allowed = allowed_keys()
+    top, name, *deeper = key.split(".") + [""]
+    if (top in allowed[""] and top not in allowed and name) or (top in allowed and name in allowed[top] and deeper):
+        if top == "model" and name in ("arch", "arch_overrides"):
+            return f"{key}: not a ModelConfig field; allowed: {', '.join(sorted(model_fields()))}"
+        value = f"{top}.{name}" if top in allowed else top
+        return f"{key}: {value} is a value, not a section"
+    group, name = (top, name) if top in allowed and name else ("", top)
+    elsewhere = {".".join(filter(None, (g, k))): k for g, keys in allowed.items() if g != group for k in keys}
+    guesses = [full for full, k in elsewhere.items() if k == name]
+    near = difflib.get_close_matches(name, allowed[group], 1)
+    guesses = guesses or [".".join(filter(None, (group, k))) for k in near]
+    guesses = guesses or [full for full, k in elsewhere.items() if difflib.get_close_matches(name, [k], 1)][:2]
+    hint = f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    where = "allowed" if group else "allowed top-level keys"
+    return f"{key}: unknown key, nothing reads it{hint}; {where}: {', '.join(sorted(allowed[group]))}"
+
+
+def model_fields() -> set[str]:
     from qmoe.model.config import ModelConfig  # torch-free, but not needed before a run
 
-    groups = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "experiment")
-    top = sorted({*groups, "experiment", "seed", "hydra"})
+    return {f.name for f in fields(ModelConfig)}
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """A key nothing reads (`+foo=1`, `+sampling.tempreature=1`) is an error, not silently carried along."""
+    allowed = allowed_keys()
     for key in cfg:
-        require(key in top, str(key), f"unknown key, nothing reads it; allowed top-level keys: {', '.join(top)}")
-    for group in groups:
-        allowed = group_keys(group) if group != "kernels" else set(kernels.OPS)
-        for key in cfg.get(group) or {}:
-            require(key in allowed, f"{group}.{key}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
-    arch = {f.name for f in fields(ModelConfig)}
+        if key not in allowed[""]:
+            raise ConfigError(unknown_key_error(str(key)))
+    for group, keys in allowed.items():
+        for key in (cfg.get(group) or {}) if group else ():
+            if key not in keys:
+                raise ConfigError(unknown_key_error(f"{group}.{key}"))
+    arch = model_fields()
     for section in ("arch", "arch_overrides"):
         for key in OmegaConf.select(cfg, f"model.{section}") or {}:
-            require(key in arch, f"model.{section}.{key}", "not a ModelConfig field (see configs/model/*.yaml)")
+            if key not in arch:
+                raise ConfigError(unknown_key_error(f"model.{section}.{key}"))
 
 
 def check_prompt(cfg: DictConfig, checkpoint: str | None) -> None:

@@ -10,7 +10,7 @@ import pytest
 from compose import CONFIG_DIR, compose_config
 
 from qmoe.model import ModelConfig
-from qmoe.settings import validate
+from qmoe.settings import unknown_key_error, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = sorted(p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir())
@@ -96,7 +96,8 @@ BAD_INPUT = [
     (["prompt.text=hello"], "prompt.text"),
     (["model.dtype=float8"], "model.dtype"),
     (["kernels.moe=cuda"], "kernels.moe"),
-    (["sampling.tempreature=1"], "tempreature"),
+    (["sampling.tempreature=1"], "sampling.tempreature: unknown key, nothing reads it (did you mean sampling.temp"),
+    (["generation.temperature=0.5"], "generation.temperature: unknown key, nothing reads it (did you mean sampling"),
     (["model.arch.hidden_size=0"], "model.arch.hidden_size"),
     (["model.checkpoint=/no/such/dir"], "/no/such/dir"),
     # issue 14, section 3
@@ -121,6 +122,27 @@ def test_bad_input_is_one_line_exit_2(args, key, tmp_path):
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert key in lines[0]
     assert not (tmp_path / "run").exists()  # a run that measured nothing leaves no directory behind
+
+
+UNKNOWN_KEYS = [
+    ("generation.temperature", "(did you mean sampling.temperature?); allowed: batch_size, max_new_tokens, stop_on"),
+    ("generation.temprature", "(did you mean sampling.temperature?)"),  # misspelt, and in another group
+    ("sampling.tempreature", "(did you mean sampling.temperature?); allowed: min_p, seed, temperature, top_k, top_p"),
+    ("batch_size", "(did you mean generation.batch_size?); allowed top-level keys: experiment, export,"),
+    ("kernels.mo", "(did you mean kernels.moe?)"),
+    ("sed", "(did you mean seed?)"),
+    ("foo.bar", "foo.bar: unknown key, nothing reads it; allowed top-level keys:"),  # no guess
+    ("model.arch.hidden_sze", "model.arch.hidden_sze: not a ModelConfig field; allowed: eos_token_ids,"),
+    ("model.arch_overrides.foo", "not a ModelConfig field"),
+    ("sampling.top_k.x", "sampling.top_k.x: sampling.top_k is a value, not a section"),
+    ("seed.x", "seed.x: seed is a value, not a section"),
+]
+
+
+@pytest.mark.parametrize("key,message", UNKNOWN_KEYS, ids=[k for k, _ in UNKNOWN_KEYS])
+def test_unknown_key_names_what_is_allowed(key, message):
+    line = unknown_key_error(key)
+    assert line.startswith(f"{key}: ") and message in line and "\n" not in line, line
 
 
 def test_help_is_fast():
