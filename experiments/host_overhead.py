@@ -53,10 +53,10 @@ def main():
     triton_launch = getattr(linear_triton._linear_kernel, "fn", None)  # kernels/launch.py: Triton's own launch
     if triton_launch is not None:
         rows["Triton's own launch (no fast path)"] = per_call_us(
-            lambda: triton_launch[grid](*launch_args, NORM=False, PDL=on, launch_pdl=on, **meta)
+            lambda: triton_launch[grid](*launch_args, **flags, launch_pdl=on, **meta)
         )
     names = linear_triton._linear_kernel.arg_names  # every argument in order, constexprs included
-    values = dict(zip(names, launch_args)) | dict(meta, NORM=False, PDL=on)
+    values = dict(zip(names, launch_args)) | dict(meta, **flags)
     try:
         ordered = [values[n] for n in names]
         grid3 = (*grid, 1, 1)[:3]  # the compiled launcher reads grid[0], grid[1], grid[2]
