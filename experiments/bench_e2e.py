@@ -50,7 +50,7 @@ PARTS = {  # op group -> part of the decode step
     "sampling": "sampling",
 }
 TARGETS_MS = {(1, 128): 2.0, (1, 4096): 2.3, (8, 128): 4.0, (32, 128): 8.0}  # decode ms/step by (batch, prompt)
-TARGET_RUNS = 3  # runs of each batch-1 target row (TTFT and decode p50: medians; every run in the JSON)
+TARGET_RUNS = 3  # runs of each batch-1 target row and the eager one (TTFT, decode p50: medians; each run in the JSON)
 PER_LAYER_LAUNCHES, STEP_LAUNCHES = 8, 12  # <= 8 per layer + O(1) (tests/test_launches.py: the same budget)
 
 
@@ -365,9 +365,10 @@ def main():
         )
         if not args.smoke:
             targets.append(target(f"decode ms/step, batch {B}", row["decode_ms_p50"], TARGETS_MS[(B, 128)], True))
-    for label, kernel_args in (("torch ops", ()), ("Triton ops", ("kernels=triton",))):
+    for label, kernel_args, repeats in (("torch ops", (), 1), ("Triton ops", ("kernels=triton",), TARGET_RUNS)):
         row = run(f"qmoe reference runner ({label}, eager)", "runtime=reference", *kernel_args,
-                  f"prompt.length={prompts[0]}", f"generation.max_new_tokens={ref_tokens}")  # fmt: skip
+                  f"prompt.length={prompts[0]}", f"generation.max_new_tokens={ref_tokens}",
+                  repeats=repeats)  # fmt: skip
     targets.append(target("eager reference runner, Triton ops, tokens/s", row["tokens_per_s"], 100, False))
     model.setup_caches(1, model.max_seq_len)
     rows.append(transformers_row(model, prompts[0], hf_new, model.device))
