@@ -3,6 +3,7 @@ kernels=triton` on the same host: the same run, 35B-A3B, prompt 128, 32 new toke
 around the rows bench_e2e runs before it (the copy-free loop, the torch-ops reference runner), on one model.
 
     python experiments/probe_eager_in_process.py [--out results/probe_eager_in_process.json]
+    python experiments/probe_eager_in_process.py --smoke  # the tiny model on the CPU (host runtime, 3 tokens)
 """
 
 import argparse
@@ -15,33 +16,41 @@ from benchlib import write_json
 from qmoe.app import get_model, run_experiment
 from qmoe.settings import validate
 
-EAGER = ("runtime=reference", "kernels=triton", "prompt.length=128", "generation.max_new_tokens=32")
-SEQUENCE = [  # (label, overrides): the eager row first in a fresh process, then after what bench_e2e runs before it
-    ("eager triton, fresh process", EAGER),
-    ("eager triton, again", EAGER),
-    ("copy-free loop (graph)", (*FAST, "prompt.length=128", "generation.max_new_tokens=128")),
-    ("eager triton, after the graphed loop", EAGER),
-    ("eager torch ops", ("runtime=reference", "prompt.length=128", "generation.max_new_tokens=32")),
-    ("eager triton, after torch ops", EAGER),
-    ("eager triton, again", EAGER),
-]
+
+def sequence(model: str, graphed: tuple, tokens: int) -> list[tuple[str, tuple]]:
+    """(label, overrides): the eager row first in a fresh process, then after what bench_e2e runs before it."""
+    eager = (model, "runtime=reference", "kernels=triton", "prompt.length=128", f"generation.max_new_tokens={tokens}")
+    torch_ops = (model, "runtime=reference", "prompt.length=128", f"generation.max_new_tokens={tokens}")
+    return [
+        ("eager triton, fresh process", eager),
+        ("eager triton, again", eager),
+        ("copy-free loop (graph)", (model, *graphed, "prompt.length=128", f"generation.max_new_tokens={4 * tokens}")),
+        ("eager triton, after the graphed loop", eager),
+        ("eager torch ops", torch_ops),
+        ("eager triton, after torch ops", eager),
+        ("eager triton, again", eager),
+    ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/probe_eager_in_process.json")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU: checks the script runs")
     args = parser.parse_args()
     t0 = time.time()
-    base = config("model=qwen35_moe")
+    model = "model.device=cpu" if args.smoke else "model=qwen35_moe"
+    rows_in = sequence(model, ("runtime=host",) if args.smoke else FAST, 3 if args.smoke else 32)
+    base = config(model)
     get_model(base, validate(base), progress=False)  # built once, as in bench_e2e
     rows = []
-    for label, overrides in SEQUENCE:
-        r = run_experiment(config("model=qwen35_moe", *overrides))
+    for label, overrides in rows_in:
+        r = run_experiment(config(*overrides))
         decode = r["latency"]["decode_ms"]
         rows.append({"label": label, "decode_ms_p50": decode["p50"], "decode_ms_p90": decode["p90"],
                      "gc_objects": len(gc.get_objects()), "gc_counts": gc.get_count()})  # fmt: skip
         print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  objects {rows[-1]['gc_objects']}")
-        write_json(args.out, "probe_eager_in_process", "cuda", rows=rows, seconds=time.time() - t0)
+        write_json(args.out, "probe_eager_in_process", "cpu" if args.smoke else "cuda", rows=rows,
+                   seconds=time.time() - t0)  # fmt: skip
 
 
 if __name__ == "__main__":
