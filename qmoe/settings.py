@@ -134,18 +134,22 @@ def unknown_key_error(key: str) -> str:
     """'<key>: unknown key, ...; allowed: ...' for a dotted key nothing reads, with a guess where there is one: the
     group that has its name (`generation.temperature` -> sampling.temperature), or a near spelling."""
     allowed = allowed_keys()
-    top, name, *deeper = key.split(".") + [""]
-    if (top in allowed[""] and top not in allowed and name) or (top in allowed and name in allowed[top] and deeper):
+    top, name, *deeper = key.split(".") + [""]  # deeper: [""] for a key of two parts
+    if (top in allowed[""] and top not in allowed and name) or (top in allowed and name in allowed[top] and deeper[0]):
         if top == "model" and name in ("arch", "arch_overrides"):
             return f"{key}: not a ModelConfig field; allowed: {', '.join(sorted(model_fields()))}"
         value = f"{top}.{name}" if top in allowed else top
         return f"{key}: {value} is a value, not a section"
     group, name = (top, name) if top in allowed and name else ("", top)
-    elsewhere = {".".join(filter(None, (g, k))): k for g, keys in allowed.items() if g != group for k in keys}
+
+    def dotted(g: str, k: str) -> str:
+        return f"{g}.{k}" if g else k
+
+    elsewhere = {dotted(g, k): k for g, keys in allowed.items() if g != group for k in keys}
     guesses = [full for full, k in elsewhere.items() if k == name]
-    near = difflib.get_close_matches(name, allowed[group], 1)
-    guesses = guesses or [".".join(filter(None, (group, k))) for k in near]
-    guesses = guesses or [full for full, k in elsewhere.items() if difflib.get_close_matches(name, [k], 1)][:2]
+    guesses = guesses or [dotted(group, k) for k in difflib.get_close_matches(name, allowed[group], 1)]
+    near = set(difflib.get_close_matches(name, set(elsewhere.values()), 2))
+    guesses = guesses or [full for full, k in elsewhere.items() if k in near][:2]
     hint = f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
     where = "allowed" if group else "allowed top-level keys"
     return f"{key}: unknown key, nothing reads it{hint}; {where}: {', '.join(sorted(allowed[group]))}"
@@ -163,9 +167,9 @@ def check_known_keys(cfg: DictConfig) -> None:
     for key in cfg:
         if key not in allowed[""]:
             raise ConfigError(unknown_key_error(str(key)))
-    for group, keys in allowed.items():
-        for key in (cfg.get(group) or {}) if group else ():
-            if key not in keys:
+    for group in sorted(allowed.keys() - {""}):
+        for key in cfg.get(group) or {}:
+            if key not in allowed[group]:
                 raise ConfigError(unknown_key_error(f"{group}.{key}"))
     arch = model_fields()
     for section in ("arch", "arch_overrides"):
