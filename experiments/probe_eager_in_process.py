@@ -1,6 +1,6 @@
 """Why bench_e2e's eager reference runner (kernels=triton) is slower than `python run.py runtime=reference
 kernels=triton` on the same host: the same run, 35B-A3B, prompt 128, 32 new tokens, repeated in one process
-around the rows bench_e2e runs before it (the copy-free loop, the torch-ops reference runner), on one model.
+around the rows bench_e2e runs before it, in its order, on one model.
 
     python experiments/probe_eager_in_process.py [--out results/probe_eager_in_process.json]
     python experiments/probe_eager_in_process.py --smoke  # the tiny model on the CPU (host runtime, 3 tokens)
@@ -17,19 +17,29 @@ from qmoe.app import get_model, run_experiment
 from qmoe.settings import validate
 
 
-def sequence(model: str, graphed: tuple, tokens: int) -> list[tuple[str, tuple]]:
-    """(label, overrides): the eager row first in a fresh process, then after what bench_e2e runs before it."""
+def sequence(model: str, graphed: tuple, tokens: int, long_prompt: int, batches: tuple) -> list[tuple[str, tuple]]:
+    """(label, overrides): the eager row first in a fresh process, then after each of the rows bench_e2e runs
+    before it, in its order (batch 1 at two prompt lengths, the batches, the torch-ops reference runner)."""
     eager = (model, "runtime=reference", "kernels=triton", "prompt.length=128", f"generation.max_new_tokens={tokens}")
     torch_ops = (model, "runtime=reference", "prompt.length=128", f"generation.max_new_tokens={tokens}")
-    return [
+    loop = (model, *graphed, f"generation.max_new_tokens={4 * tokens}")
+    rows = [
         ("eager triton, fresh process", eager),
         ("eager triton, again", eager),
-        ("copy-free loop (graph)", (model, *graphed, "prompt.length=128", f"generation.max_new_tokens={4 * tokens}")),
-        ("eager triton, after the graphed loop", eager),
+        ("copy-free loop, prompt 128", (*loop, "prompt.length=128")),
+        ("eager triton, after it", eager),
+        (f"copy-free loop, prompt {long_prompt}", (*loop, f"prompt.length={long_prompt}")),
+        ("eager triton, after it", eager),
+    ]
+    for b in batches:
+        rows.append((f"copy-free loop, batch {b}", (*loop, f"generation.batch_size={b}", "prompt.length=128")))
+    rows += [
+        ("eager triton, after the batches", eager),
         ("eager torch ops", torch_ops),
         ("eager triton, after torch ops", eager),
         ("eager triton, again", eager),
     ]
+    return rows
 
 
 def main():
@@ -39,7 +49,10 @@ def main():
     args = parser.parse_args()
     t0 = time.time()
     model = "model.device=cpu" if args.smoke else "model=qwen35_moe"
-    rows_in = sequence(model, ("runtime=host",) if args.smoke else FAST, 3 if args.smoke else 32)
+    if args.smoke:
+        rows_in = sequence(model, ("runtime=host",), 3, 64, (2,))
+    else:
+        rows_in = sequence(model, FAST, 32, 4096, (8, 32))
     base = config(model)
     get_model(base, validate(base), progress=False)  # built once, as in bench_e2e
     rows = []
