@@ -9,6 +9,10 @@ Writes the checkpoint first if --dir has none. Every load runs in a fresh proces
   qmoe warm   load_checkpoint with the shards in the page cache
   baseline    safetensors.torch.load_file of every shard onto the device (no model, no checks), warm; on the CPU
               each tensor is cloned, since load_file alone only maps the file
+With --tp N, two more warm loads of tensor-parallel rank 0's slices (its GB/s on the bytes it holds):
+  qmoe tpN     load_checkpoint with layout tp N, rank 0 (qmoe/checkpoint/staging.py: runs or spans, pinned buffers)
+  slices tpN   the same slices through safetensors' memory map, get_slice(...).to(device) (no model, no checks:
+               the loader's reads until 2026-12-05)
 Ceilings measured in the same run: page-cache read bandwidth of the shard files, and for cuda a pinned 1 GiB
 host-to-device copy. Targets: peak host RSS above the start under the bound for "never two copies" (the open
 shard's mapped pages count as RSS: cuda one shard + 1 GiB; cpu the weights + one shard + 256 MiB), warm load within
@@ -74,18 +78,50 @@ def h2d_pinned_gbps() -> float:
     return GiB / sorted(times)[len(times) // 2] / 1e9
 
 
-def child(mode: str, ckpt: Path, device: str, dtype: torch.dtype) -> dict:
+def mmap_slices(ckpt: Path, device: str, dtype: torch.dtype, layout) -> list[torch.Tensor]:
+    """Rank `layout`'s slices of every checkpoint tensor through safetensors' memory map, moved to the device."""
+    from safetensors import safe_open
+
+    from qmoe.checkpoint.loader import _by_file, _checked_plan, key_blocks, read_config
+    from qmoe.model.qwen35_moe import Qwen35MoE, full_shapes
+
+    cfg = read_config(ckpt)
+    plan, tensors, _ = _checked_plan(ckpt, cfg, dtype)
+    with torch.device("meta"):
+        specs = Qwen35MoE(cfg, layout).shard_specs()
+    full, pieces = full_shapes(cfg), []
+    for file, keys in _by_file(plan.reads, tensors).items():
+        with safe_open(ckpt / file, framework="pt") as f:
+            for key in keys:
+                name, expert, part = plan.reads[key]
+                for index, _ in key_blocks(full[name], specs.get(name), expert, part, cfg.moe_intermediate_size):
+                    piece = f.get_slice(key)[index] if index else f.get_tensor(key)
+                    pieces.append(piece.to(device, copy=True))  # on the CPU too: the bytes read, not a view
+    return pieces
+
+
+def child(mode: str, ckpt: Path, device: str, dtype: torch.dtype, tp: int) -> dict:
     """One load in this (fresh) process; RSS from the kernel's high-water mark, reset when loading begins."""
     from qmoe.checkpoint.loader import _current_rss, _peak_rss, _reset_peak_rss
+    from qmoe.parallel.layout import SINGLE, Layout
 
+    layout = Layout(tp=tp) if mode.endswith("_tp") else SINGLE
     if mode == "cold":
         drop_page_cache(shard_paths(ckpt))
-    elif mode in ("warm", "baseline"):
+    else:
         read_all(shard_paths(ckpt))
     if device == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
-    if mode == "baseline":
+    held_bytes = None  # what the rank holds (sharded rows): its GB/s are on those bytes
+    if mode == "slices_tp":
+        scope, start_rss, start = _reset_peak_rss(), _current_rss(), time.perf_counter()
+        pieces = mmap_slices(ckpt, device, dtype, layout)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds, peak_rss, held_bytes = time.perf_counter() - start, _peak_rss(), sum(p.nbytes for p in pieces)
+        del pieces
+    elif mode == "baseline":
         from safetensors.torch import load_file
 
         scope, start_rss, start = _reset_peak_rss(), _current_rss(), time.perf_counter()
@@ -97,7 +133,10 @@ def child(mode: str, ckpt: Path, device: str, dtype: torch.dtype) -> dict:
         seconds, peak_rss = time.perf_counter() - start, _peak_rss()
         del tensors
     else:
-        _, info = load_checkpoint(ckpt, dtype=dtype, device=device)
+        model, info = load_checkpoint(ckpt, dtype=dtype, device=device, layout=layout)
+        if layout.sharded:
+            held_bytes = sum(p.nbytes for p in model.parameters())
+        del model
         seconds, start_rss, peak_rss, scope = (
             info.load_seconds,
             info.start_rss_bytes,
@@ -107,7 +146,8 @@ def child(mode: str, ckpt: Path, device: str, dtype: torch.dtype) -> dict:
     row = {
         "mode": mode,
         "load_s": seconds,
-        "phase_s": None if mode == "baseline" else info.phase_seconds,
+        "phase_s": info.phase_seconds if mode in ("cold", "warm", "qmoe_tp") else None,
+        "held_bytes": held_bytes,
         "start_rss_bytes": start_rss,
         "peak_rss_bytes": peak_rss,
         "rss_scope": scope,
@@ -119,6 +159,7 @@ def child(mode: str, ckpt: Path, device: str, dtype: torch.dtype) -> dict:
 
 def run_child(mode: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--dir", str(args.dir), "--device", args.device]
+    cmd += ["--tp", str(args.tp)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO_ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -131,14 +172,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="default results/bench_checkpoint_load[_<quant>].json")
     parser.add_argument("--quant", default="none", choices=["none", "fp8_block", "fp8_channel"])
-    parser.add_argument("--child", choices=["cold", "warm", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help="also load tensor-parallel rank 0's slices (tp > 1)")
+    parser.add_argument("--child", choices=["cold", "warm", "baseline", "qmoe_tp", "slices_tp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     suffix = "" if args.quant == "none" else f"_{args.quant}"
     args.dir = args.dir or Path(f"/tmp/qmoe_ckpt_35b_l4{suffix}")
     args.out = args.out or REPO_ROOT / "results" / f"bench_checkpoint_load{suffix}.json"
     dtype = torch.bfloat16
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.device, dtype)))
+        print(json.dumps(child(args.child, args.dir, args.device, dtype, args.tp)))
         return
 
     bench_start = time.perf_counter()
@@ -159,9 +201,10 @@ def main() -> None:
     ceilings = {"page_cache_read_GBps": read_bytes / read_seconds / 1e9}
     if args.device == "cuda":
         ceilings["h2d_pinned_GBps"] = h2d_pinned_gbps()
-    rows = [run_child(mode, args) for mode in ("cold", "warm", "baseline")]
+    modes = ("cold", "warm", "baseline") + (("qmoe_tp", "slices_tp") if args.tp > 1 else ())
+    rows = [run_child(mode, args) for mode in modes]
     for row in rows:
-        row["GBps"] = total_bytes / row["load_s"] / 1e9
+        row["GBps"] = (row["held_bytes"] or total_bytes) / row["load_s"] / 1e9
         row["rss_above_start_GiB"] = (row["peak_rss_bytes"] - row["start_rss_bytes"]) / GiB
     total_seconds = time.perf_counter() - bench_start
 
@@ -188,6 +231,7 @@ def main() -> None:
         **environment(torch.device(args.device)),
         "name": "bench_checkpoint_load",
         "cpu_cores": os.cpu_count(),
+        "tp": args.tp,
         "checkpoint": {
             "dir": str(args.dir),
             "quant": args.quant,

@@ -137,8 +137,8 @@ def load_counting_reads(path, **kwargs):
 
     reads, read = [], loader.read_slice
 
-    def counted_read(f, key, index):
-        t = read(f, key, index)
+    def counted_read(f, key, index, stager):
+        t = read(f, key, index, stager)
         reads.append((key, repr(index), t.nbytes))
         return t
 

@@ -429,9 +429,10 @@ def key_blocks(full_shape: tuple, dims: dict | None, expert: int | None, part: s
             yield tuple(read), tuple(write)
 
 
-def read_slice(f, key: str, index: tuple) -> torch.Tensor:
-    """The part `index` of tensor `key` (only those bytes of the memory-mapped file are touched)."""
-    return f.get_slice(key)[index] if index else f.get_tensor(key)
+def read_slice(f: ShardReader, key: str, index: tuple, stager: Stager) -> torch.Tensor:
+    """The part `index` of tensor `key` on the stager's device, through its buffers: the slice's runs, or the span
+    between its first and last byte where the runs are short (staging.py)."""
+    return stager.slice_to_device(f, key, index)
 
 
 @torch.no_grad()
@@ -446,7 +447,7 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     full = _full_shapes(model)
     bar = tqdm(total=len(plan.reads), desc="load weights", unit="tensor", disable=not progress)
     if specs:
-        _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar)
+        _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar, Stager(model.device))
         bar.close()
         return
     # to a GPU through pinned buffers (one host copy per byte, copies overlapped); to the CPU straight into the
@@ -485,19 +486,19 @@ def _fill(model: Qwen35MoE, path: Path, plan: _Plan, tensors: dict, progress: bo
     bar.close()
 
 
-def _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar) -> None:
-    """_fill for a sharded model: each parameter's slices of its checkpoint tensors (only those bytes of the
-    mapped file are read), FP8 as in _fill: a stored FP8 slice with its scale's rows and column blocks (every K
-    split falls on the 128-column blocks: load_checkpoint checks fp8_layout_errors), kept or dequantized; a dense
-    slice quantized into an FP8 parameter (the blocks of a row, so the slice of the quantized full tensor)."""
+def _fill_slices(params, specs, full, I, path, plan, tensors, scales, bar, stager: Stager) -> None:
+    """_fill for a sharded model: each parameter's slices of its checkpoint tensors, read through the stager
+    (read_slice), FP8 as in _fill: a stored FP8 slice with its scale's rows and column blocks (every K split falls
+    on the 128-column blocks: load_checkpoint checks fp8_layout_errors), kept or dequantized; a dense slice
+    quantized into an FP8 parameter (the blocks of a row, so the slice of the quantized full tensor)."""
     for file, keys in _by_file(plan.reads, tensors).items():
-        with safe_open(path / file, framework="pt") as f:
+        with ShardReader(path / file) as f:
             for key in keys:
                 name, expert, part = plan.reads[key]
                 dest_all, dest_scales = params[name], params.get(f"{name}_scale")
                 for index, dst in key_blocks(full[name], specs.get(name), expert, part, I):
                     try:  # moved in its stored dtype, converted on the device
-                        piece = read_slice(f, key, index).to(dest_all.device)
+                        piece = read_slice(f, key, index, stager)
                     except Exception as e:
                         raise CheckpointError(f"{key}: cannot be read from {path / file} ({e})") from None
                     dest = dest_all[dst]
@@ -628,7 +629,8 @@ def load_checkpoint(
     layout: Layout = SINGLE,
 ) -> tuple[Qwen35MoE, CheckpointInfo]:
     """Build the checkpoint's model on `device` in `dtype` and fill every parameter from its safetensors (this
-    rank's slices of them under `layout`: each of those reads touches only its slice of the memory-mapped file).
+    rank's slices of them under `layout`, each read once: its runs of bytes, or the span between its first and last
+    byte where its runs are short: qmoe/checkpoint/staging.py).
     weights (model.weights): auto -> FP8 where the checkpoint stores it, dense -> every tensor in `dtype` (FP8
     dequantized on load), fp8 -> the projections and experts in FP8 (dense ones quantized on load).
 

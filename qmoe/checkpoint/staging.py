@@ -9,9 +9,18 @@ releases the GIL). To the CPU, a tensor is read into its destination when that h
 a host tensor that the caller converts. To a GPU, `Stager` moves the bytes through pinned buffers of STAGE_BYTES:
 a chunk is read into a free buffer while the previous chunks' asynchronous host-to-device copies run, and a
 buffer is reused once its copy is done (a CUDA event per buffer).
+
+A sharded model's slices (`Stager.slice_to_device`) go the same way: a slice whose contiguous runs are long
+(RUN_MIN bytes or more: rows of a column-parallel projection, whole experts) is read run by run into consecutive
+bytes; one of short runs (a row-parallel projection's columns, an expert's intermediate columns) reads the span from
+its first to its last byte, SPAN_BYTES of its leading dim's rows at a time, and takes the slice out of it on the
+device. A short run costs a read call per run otherwise (at TP 2 an expert's down columns are 512-byte runs, ~800k
+of them in one 122B layer); the span reads at most the tensor's bytes.
 """
 
+import itertools
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +37,10 @@ DTYPES = {
 STAGE_BYTES = 64 << 20  # per pinned buffer: large enough that a copy's fixed cost is small, two of them in flight
 READ_PIECE = 8 << 20  # bytes per positioned read: a stage's pieces go to the threads together
 READ_THREADS = min(8, os.cpu_count() or 1)
+RUN_MIN = 256 << 10  # a slice's contiguous runs of at least this many bytes are read one by one, shorter ones as a span
+SPAN_BYTES = (
+    STAGE_BYTES  # a short-run slice's span is read this many bytes of leading-dim rows at a time (one row at least)
+)
 _readers: dict[int, ThreadPoolExecutor] = {}  # pid -> its pool, made at its first read that has several pieces
 
 
@@ -70,14 +83,22 @@ class ShardReader:
         return DTYPES[entry["dtype"]], entry["shape"], self._data + begin, end - begin
 
     def read_range(self, offset: int, out: torch.Tensor) -> None:
-        """out (a contiguous uint8 CPU tensor) <- the file's out.numel() bytes at offset, READ_PIECE at a time on
-        the reader threads."""
+        """out (a contiguous uint8 CPU tensor) <- the file's out.numel() bytes at offset."""
+        self.read_ranges([(offset, out.numel())], out)
+
+    def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """out (a contiguous uint8 CPU tensor) <- the file's byte ranges (offset, bytes), one after another,
+        READ_PIECE bytes per positioned read, the pieces of all of them together on the reader threads."""
         view = memoryview(out.numpy())
-        pieces = range(0, len(view), READ_PIECE)
-        read = lambda start: _pread_exact(self._fd, view[start : start + READ_PIECE], offset + start)  # noqa: E731
+        pieces, at = [], 0
+        for offset, nbytes in ranges:
+            pieces += [
+                (view[at + s : at + min(s + READ_PIECE, nbytes)], offset + s) for s in range(0, nbytes, READ_PIECE)
+            ]
+            at += nbytes
         if len(pieces) <= 1:
-            return read(0) if len(view) else None
-        for future in [_pool().submit(read, start) for start in pieces]:
+            return _pread_exact(self._fd, *pieces[0]) if pieces else None
+        for future in [_pool().submit(_pread_exact, self._fd, *piece) for piece in pieces]:
             future.result()
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
@@ -119,16 +140,90 @@ class Stager:
     def to_device(self, reader: ShardReader, key: str) -> torch.Tensor:
         dtype, shape, offset, nbytes = reader.spec(key)
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        chunk = self._buffers[0].numel()
-        for start in range(0, nbytes, chunk):
+        self._stage(reader, [(offset, nbytes)], out)
+        return out.view(dtype).reshape(shape)
+
+    def slice_to_device(self, reader: ShardReader, key: str, index: tuple) -> torch.Tensor:
+        """tensor `key`[index] as a new contiguous device tensor (index: slices of step 1 over its leading dims),
+        reading its runs or its span (module docstring); its copies are queued like to_device's."""
+        dtype, shape, offset, _ = reader.spec(key)
+        piece = SlicePiece(tuple(shape), index)
+        out = torch.empty(piece.shape, dtype=dtype, device=self.device)
+        size = dtype.itemsize
+        if piece.run * size >= RUN_MIN or piece.dim <= 0:  # the runs, packed: out's bytes in order
+            runs = [(offset + start * size, piece.run * size) for start in piece.run_starts()]
+            self._stage(reader, runs, out.reshape(-1).view(torch.uint8))
+            return out
+        for rows, first, count, view_shape in piece.spans(max(1, SPAN_BYTES // (piece.strides[0] * size))):
+            span = torch.empty(count * size, dtype=torch.uint8, device=self.device)
+            self._stage(reader, [(offset + first * size, count * size)], span)
+            out[rows].copy_(span.view(dtype).as_strided(view_shape, piece.strides))
+        return out
+
+    def _stage(self, reader: ShardReader, ranges: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """out (uint8 on the device) <- the file's byte ranges (offset, bytes) one after another, through the
+        buffers: a buffer's worth of them read, then its copy queued, the next read into the next buffer."""
+        chunk, at = self._buffers[0].numel(), 0
+        pieces = [(offset + s, min(chunk, nbytes - s)) for offset, nbytes in ranges for s in range(0, nbytes, chunk)]
+        first = 0
+        while first < len(pieces):
+            last, filled = first, 0
+            while last < len(pieces) and filled + pieces[last][1] <= chunk:  # whole pieces (each <= chunk)
+                filled += pieces[last][1]
+                last += 1
             i = self._next
             self._next = (i + 1) % len(self._buffers)
             if self._done[i] is not None:
                 self._done[i].synchronize()  # its previous copy has left the buffer
-            buffer = self._buffers[i][: min(chunk, nbytes - start)]
-            reader.read_range(offset + start, buffer)  # the one host copy: page cache -> staging buffer
-            out[start : start + buffer.numel()].copy_(buffer, non_blocking=True)
+            buffer = self._buffers[i][:filled]
+            reader.read_ranges(pieces[first:last], buffer)  # the one host copy: page cache -> staging buffer
+            out[at : at + filled].copy_(buffer, non_blocking=True)
+            at, first = at + filled, last
             if self.device.type == "cuda":
                 self._done[i] = torch.cuda.Event()
                 self._done[i].record()
-        return out.view(dtype).reshape(shape)
+
+
+class SlicePiece:
+    """Where tensor[index] of a C-order tensor of `shape` lies (elements): index is slices of step 1 over the
+    leading dims (the rest whole). dim: the last dim the slice narrows (-1: none, the whole tensor); every dim after
+    it is whole, so the slice is runs of `run` consecutive elements, one per index of the dims before it."""
+
+    def __init__(self, shape: tuple, index: tuple):
+        self.strides = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        self.ranges = [(0, n) for n in shape]
+        for d, s in enumerate(index):
+            start, stop, step = s.indices(shape[d])
+            if step != 1:
+                raise ValueError(f"a slice of step 1 per dim, got {index}")
+            self.ranges[d] = (start, max(start, stop))
+        self.shape = tuple(stop - start for start, stop in self.ranges)
+        self.dim = max((d for d, r in enumerate(self.ranges) if r != (0, shape[d])), default=-1)
+        self.run = math.prod(self.shape[max(self.dim, 0) :]) if self.dim >= 0 else math.prod(shape)
+        if 0 in self.shape:
+            self.run = 0
+
+    def _offset(self, index: tuple) -> int:
+        return sum(i * st for i, st in zip(index, self.strides))
+
+    def run_starts(self):
+        """The first element of each run, in order (none for an empty slice)."""
+        if self.run == 0:
+            return
+        outer = [range(start, stop) for start, stop in self.ranges[: max(self.dim, 0)]]
+        first = self.ranges[self.dim][0] * self.strides[self.dim] if self.dim >= 0 else 0
+        for index in itertools.product(*outer):
+            yield self._offset(index) + first
+
+    def spans(self, rows_per_span: int):
+        """(the piece's leading rows, the span's first element, its elements, the rows' shape) per `rows_per_span`
+        rows of dim 0: the span runs from the rows' first element of the slice to their last one."""
+        if self.run == 0:
+            return
+        starts = tuple(start for start, _ in self.ranges)
+        lasts = tuple(stop - 1 for _, stop in self.ranges)
+        for r0 in range(0, self.shape[0], rows_per_span):
+            r1 = min(r0 + rows_per_span, self.shape[0])
+            first = self._offset((starts[0] + r0, *starts[1:]))
+            last = self._offset((starts[0] + r1 - 1, *lasts[1:]))
+            yield slice(r0, r1), first, last + 1 - first, (r1 - r0, *self.shape[1:])
