@@ -7,14 +7,51 @@ around the rows bench_e2e runs before it, in its order, on one model.
 """
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import time
+from collections import Counter
 
 from bench_e2e import FAST, config
 from benchlib import write_json
+from triton.runtime.jit import KernelInterface
 
+from kernels.launch import FastLaunch
 from qmoe.app import get_model, run_experiment
 from qmoe.settings import validate
+
+LAUNCHES = Counter()  # "triton": launches through Triton's own path (kernels/launch.py's slow path), "unbound": of
+# those, the calls no binder took
+
+
+def count_launches() -> None:
+    """Count the launches that go through Triton's `kernel[grid]` (FastLaunch falls back to it) and the calls
+    FastLaunch could not bind: a run whose eager launches take Triton's path pays ~25 us each on the H200 host."""
+    getitem, bind = KernelInterface.__getitem__, FastLaunch._bind
+
+    def counted_getitem(self, grid):
+        LAUNCHES["triton"] += 1
+        return getitem(self, grid)
+
+    def counted_bind(self, device, args, kwargs):
+        bound = bind(self, device, args, kwargs)
+        LAUNCHES["unbound"] += bound is None
+        return bound
+
+    KernelInterface.__getitem__, FastLaunch._bind = counted_getitem, counted_bind
+
+
+def profiled(overrides: tuple) -> list[str]:
+    """The 12 functions with the most own time in a short run of `overrides` (8 new tokens)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    run_experiment(config(*overrides[:-1], "generation.max_new_tokens=8"))
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+    return [line for line in text.getvalue().splitlines() if "(" in line and "/" in line or "{" in line][:12]
 
 
 def sequence(model: str, graphed: tuple, tokens: int, long_prompt: int, batches: tuple) -> list[tuple[str, tuple]]:
@@ -46,6 +83,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/probe_eager_in_process.json")
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU: checks the script runs")
+    parser.add_argument("--short", action="store_true", help="the first four rows, each eager one profiled")
     args = parser.parse_args()
     t0 = time.time()
     model = "model.device=cpu" if args.smoke else "model=qwen35_moe"
@@ -53,15 +91,27 @@ def main():
         rows_in = sequence(model, ("runtime=host",), 3, 64, (2,))
     else:
         rows_in = sequence(model, FAST, 32, 4096, (8, 32))
+    rows_in = rows_in[:4] if args.short else rows_in
     base = config(model)
     get_model(base, validate(base), progress=False)  # built once, as in bench_e2e
+    count_launches()
     rows = []
     for label, overrides in rows_in:
+        LAUNCHES.clear()
         r = run_experiment(config(*overrides))
         decode = r["latency"]["decode_ms"]
+        steps = decode.get("steps") or 1
         rows.append({"label": label, "decode_ms_p50": decode["p50"], "decode_ms_p90": decode["p90"],
-                     "gc_objects": len(gc.get_objects()), "gc_counts": gc.get_count()})  # fmt: skip
-        print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  objects {rows[-1]['gc_objects']}")
+                     "triton_path_launches_per_step": LAUNCHES["triton"] / steps,
+                     "unbound_per_step": LAUNCHES["unbound"] / steps, "gc_objects": len(gc.get_objects()),
+                     "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count()})  # fmt: skip
+        if args.short and "eager" in label:
+            rows[-1]["profile_top"] = profiled(overrides)
+        print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  Triton-path launches/step "
+              f"{rows[-1]['triton_path_launches_per_step']:6.1f} (unbound {rows[-1]['unbound_per_step']:.1f})  "
+              f"frozen {rows[-1]['gc_freeze_count']}")  # fmt: skip
+        for line in rows[-1].get("profile_top", []):
+            print("    " + line)
         write_json(args.out, "probe_eager_in_process", "cpu" if args.smoke else "cuda", rows=rows,
                    seconds=time.time() - t0)  # fmt: skip
 
