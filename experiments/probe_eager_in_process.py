@@ -11,8 +11,13 @@ import cProfile
 import gc
 import io
 import pstats
+import shutil
+import statistics
+import subprocess
+import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 
 from bench_e2e import FAST, config
 from benchlib import write_json
@@ -41,6 +46,39 @@ def count_launches() -> None:
         return bound
 
     KernelInterface.__getitem__, FastLaunch._bind = counted_getitem, counted_bind
+
+
+class ClockLog:
+    """nvidia-smi sampling the GPU's SM clock, utilisation and power every 100 ms in the background (no-op
+    without nvidia-smi): `during(t0, t1)` -> their medians between two time.time() stamps."""
+
+    FIELDS = ("clock_sm_mhz", "util_pct", "power_w")
+
+    def __init__(self):
+        self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+        query = "--query-gpu=timestamp,clocks.sm,utilization.gpu,power.draw"
+        cmd = ["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "100"]
+        self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL) if shutil.which(cmd[0]) else None
+
+    def during(self, t0: float, t1: float) -> dict:
+        if self.proc is None:
+            return {}
+        self.file.flush()
+        self.file.seek(0)
+        samples = []
+        for line in self.file.read().splitlines():
+            stamp, *values = (v.strip() for v in line.split(","))
+            try:  # nvidia-smi prints local time
+                at = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                samples.append((at, [float(v) for v in values]))
+            except ValueError:
+                continue
+        inside = [values for at, values in samples if t0 <= at <= t1]
+        return {f: statistics.median(v[i] for v in inside) for i, f in enumerate(self.FIELDS)} if inside else {}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
 
 
 def profiled(overrides: tuple) -> list[str]:
@@ -95,25 +133,29 @@ def main():
     base = config(model)
     get_model(base, validate(base), progress=False)  # built once, as in bench_e2e
     count_launches()
+    clocks = ClockLog()
     rows = []
     for label, overrides in rows_in:
         LAUNCHES.clear()
+        started = time.time()
         r = run_experiment(config(*overrides))
+        gpu = clocks.during(started, time.time())
         decode = r["latency"]["decode_ms"]
         steps = decode.get("steps") or 1
         rows.append({"label": label, "decode_ms_p50": decode["p50"], "decode_ms_p90": decode["p90"],
                      "triton_path_launches_per_step": LAUNCHES["triton"] / steps,
                      "unbound_per_step": LAUNCHES["unbound"] / steps, "gc_objects": len(gc.get_objects()),
-                     "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count()})  # fmt: skip
+                     "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count(), "gpu": gpu})  # fmt: skip
         if args.short and "eager" in label:
             rows[-1]["profile_top"] = profiled(overrides)
         print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  Triton-path launches/step "
               f"{rows[-1]['triton_path_launches_per_step']:6.1f} (unbound {rows[-1]['unbound_per_step']:.1f})  "
-              f"frozen {rows[-1]['gc_freeze_count']}")  # fmt: skip
+              f"frozen {rows[-1]['gc_freeze_count']}  GPU {gpu}")  # fmt: skip
         for line in rows[-1].get("profile_top", []):
             print("    " + line)
         write_json(args.out, "probe_eager_in_process", "cpu" if args.smoke else "cuda", rows=rows,
                    seconds=time.time() - t0)  # fmt: skip
+    clocks.close()
 
 
 if __name__ == "__main__":
