@@ -15,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections import Counter
 from datetime import datetime
@@ -145,12 +146,14 @@ def main():
         rows.append({"label": label, "decode_ms_p50": decode["p50"], "decode_ms_p90": decode["p90"],
                      "triton_path_launches_per_step": LAUNCHES["triton"] / steps,
                      "unbound_per_step": LAUNCHES["unbound"] / steps, "gc_objects": len(gc.get_objects()),
-                     "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count(), "gpu": gpu})  # fmt: skip
+                     "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count(), "gpu": gpu,
+                     "threads": sorted(t.name for t in threading.enumerate())})  # fmt: skip
         if args.short and "eager" in label:
             rows[-1]["profile_top"] = profiled(overrides)
         print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  Triton-path launches/step "
               f"{rows[-1]['triton_path_launches_per_step']:6.1f} (unbound {rows[-1]['unbound_per_step']:.1f})  "
               f"frozen {rows[-1]['gc_freeze_count']}  GPU {gpu}")  # fmt: skip
+        print(f"    threads {rows[-1]['threads']}")
         for line in rows[-1].get("profile_top", []):
             print("    " + line)
         write_json(args.out, "probe_eager_in_process", "cpu" if args.smoke else "cuda", rows=rows,
