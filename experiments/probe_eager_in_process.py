@@ -87,6 +87,7 @@ class ClockLog:
     def close(self) -> None:
         if self.proc is not None:
             self.proc.kill()
+        self.file.close()
 
 
 def profiled(overrides: tuple) -> list[str]:

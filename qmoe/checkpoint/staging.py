@@ -199,9 +199,7 @@ class SlicePiece:
             self.ranges[d] = (start, max(start, stop))
         self.shape = tuple(stop - start for start, stop in self.ranges)
         self.dim = max((d for d, r in enumerate(self.ranges) if r != (0, shape[d])), default=-1)
-        self.run = math.prod(self.shape[max(self.dim, 0) :]) if self.dim >= 0 else math.prod(shape)
-        if 0 in self.shape:
-            self.run = 0
+        self.run = 0 if 0 in self.shape else math.prod(self.shape[max(self.dim, 0) :])  # dim -1: the whole shape
 
     def _offset(self, index: tuple) -> int:
         return sum(i * st for i, st in zip(index, self.strides))
