@@ -7,8 +7,9 @@ around the rows bench_e2e runs before it, in its order, on one model.
 
 Per row: decode p50 / p90, the launches per step that took Triton's own launch path (kernels/launch.py's fallback),
 the process's CPU seconds against the wall (other threads busy, or the host waiting), its threads, the GPU's SM
-clock, utilisation and power (nvidia-smi), the gc state; --short runs the first four rows (eager, eager again, the
-copy-free loop, eager) and profiles a short rerun of each eager one (the 12 functions with the most own time).
+clock, utilisation and power (nvidia-smi), the caching allocator's device calls and free memory, the gc state;
+--short runs the first four rows (eager, eager again, the copy-free loop, eager) and profiles a short rerun of each
+eager one (the 12 functions with the most own time).
 At 10cf1ae on the H200 (the long sequence): eager 14.93, again 8.55, after the copy-free loop 15.21 ms/step, and
 15.0-17.3 after every later row (results/probe_eager_in_process.json).
 """
@@ -27,6 +28,7 @@ import time
 from collections import Counter
 from datetime import datetime
 
+import torch
 from bench_e2e import FAST, config
 from benchlib import write_json
 from triton.runtime.jit import KernelInterface
@@ -54,6 +56,21 @@ def count_launches() -> None:
         return bound
 
     KernelInterface.__getitem__, FastLaunch._bind = counted_getitem, counted_bind
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The caching allocator's counters that mean device calls (cudaMalloc / cudaFree, a retry after a failed
+    malloc that frees the cache, a device-wide sync) and the free device memory: a row whose eager steps pay
+    them is short of cached blocks (a graph's private pool holding memory), not slow on the host."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    free, total = torch.cuda.mem_get_info()
+    return {**{k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}, "free_gib": free / 2**30,
+            "reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30}  # fmt: skip
 
 
 class ClockLog:
@@ -146,26 +163,29 @@ def main():
     rows = []
     for label, overrides in rows_in:
         LAUNCHES.clear()
+        allocator_before = allocator_counts()
         started, cpu_started = time.time(), time.process_time()
         r = run_experiment(config(*overrides))
         # the process's CPU seconds (every thread) against the wall: well above it, other threads were busy (a
         # GIL shared); well below it, the host waited (on the GPU)
         wall, cpu = time.time() - started, time.process_time() - cpu_started
         gpu = clocks.during(started, started + wall)
+        allocator = allocator_counts()
+        allocator.update({f"{k}_in_row": allocator[k] - allocator_before[k] for k in ALLOCATOR_COUNTS if allocator})
         decode = r["latency"]["decode_ms"]
         steps = decode.get("steps") or 1
         rows.append({"label": label, "decode_ms_p50": decode["p50"], "decode_ms_p90": decode["p90"],
                      "triton_path_launches_per_step": LAUNCHES["triton"] / steps,
                      "unbound_per_step": LAUNCHES["unbound"] / steps, "gc_objects": len(gc.get_objects()),
                      "gc_freeze_count": gc.get_freeze_count(), "gc_counts": gc.get_count(), "gpu": gpu,
-                     "threads": sorted(t.name for t in threading.enumerate()), "wall_s": wall,
+                     "threads": sorted(t.name for t in threading.enumerate()), "wall_s": wall, "allocator": allocator,
                      "cpu_s": cpu})  # fmt: skip
         if args.short and "eager" in label:
             rows[-1]["profile_top"] = profiled(overrides)
         print(f"{label:<40} p50 {decode['p50']:8.3f} ms  p90 {decode['p90']:8.3f} ms  Triton-path launches/step "
               f"{rows[-1]['triton_path_launches_per_step']:6.1f} (unbound {rows[-1]['unbound_per_step']:.1f})  "
               f"frozen {rows[-1]['gc_freeze_count']}  GPU {gpu}")  # fmt: skip
-        print(f"    wall {wall:.2f} s, process CPU {cpu:.2f} s; threads {rows[-1]['threads']}")
+        print(f"    wall {wall:.2f} s, process CPU {cpu:.2f} s; threads {rows[-1]['threads']}; allocator {allocator}")
         for line in rows[-1].get("profile_top", []):
             print("    " + line)
         write_json(args.out, "probe_eager_in_process", "cpu" if args.smoke else "cuda", rows=rows,
