@@ -7,13 +7,15 @@ Rows, in order (JSON rewritten after each, rank 0 writes it):
 - check: before anything is timed, TP2 equals one process: the 35B shape cut to 4 layers in fp32 on torch ops
   (greedy tokens equal, logits relative error < 1e-4; rank 0 also builds the unsharded model), and the same in
   bf16 on the Triton kernels the timed rows use (token agreement and logits error reported, error < 3e-2 checked);
-  at every step the vocab-parallel sampler (top-k 50 + top-p 0.9 at T 0.8) draws the token that one GPU's sampler
-  draws from the gathered logits (checked).
+  at every step the vocab-parallel sampler (top-k 50 + top-p 0.9 at T 0.8; the cuts by search and from each
+  rank's 50 best logits) draws the token that one GPU's sampler draws from the gathered logits (checked).
 - allreduce: µs per qmoe::all_reduce call inside a CUDA graph (100 calls captured, replayed, CUDA events) of one
   decode token's hidden state ([1, H] bf16, H = 2048 and 3072) and of batch 32 ([32, H]).
 - 35b: decode batch 1, prompt 128: runtime=cuda_native, copy-elided export, Triton kernels (the sampler's
   vocab-parallel form: one launch per rank and one all-gather), CUDA graph; target <= 1.8 ms/token; then the same
-  with kernels.sampling=torch (its vocab-parallel sampler in torch ops), to show what the sampler's form costs.
+  with kernels.sampling=torch (its vocab-parallel sampler in torch ops), to show what the sampler's form costs;
+  then sampled at T 0.8, top-p 0.9, with top-k 50 (the cuts from each rank's 50 best logits, two all-gathers) and
+  without (the cuts by the search: a sort of the slice, 10 all-reduces and an all-gather).
 - ablation: the copy-elision rows at TP2 on 35B (reference; cuda_native baseline / device_planned / copy_elided,
   graph off and on): decode ms/token, H2D/D2H/D2D bytes per token and inter-GPU collectives and bytes per token.
 - profile: the ledger's collectives against the profiler's NCCL kernels (35B, copy_elided, graph off, 4 tokens:
@@ -103,8 +105,10 @@ def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
         token = sampling.greedy(local, model.vocab_start, triton=kernels == "triton")
         logits = collectives.all_gather(local, "world").permute(1, 0, 2).flatten(1)  # [1, V]: only to compare
         params = (0.8, 50, 0.9, 0.0, 3, i)  # every rank: its sampled token against one GPU's on the same logits
-        drawn = sampling.sample(local, model.vocab_start, *params, triton=kernels == "triton")
-        sampled.append(drawn.item() == one_gpu.sample(logits, *params).item())
+        one = one_gpu.sample(logits, *params).item()
+        for bound in (0, 50):  # the cuts by search, and from each rank's 50 best logits (the Triton sampler)
+            drawn = sampling.sample(local, model.vocab_start, *params, triton=kernels == "triton", top_k_bound=bound)
+            sampled.append(drawn.item() == one)
         mine.append(token.item())
         if full is not None:
             ref = full(y, pos)
@@ -234,6 +238,9 @@ def main():
         row, _ = run("35b_tp_b1", f"model={model_35b}", *fast)
         doc["targets"].append(target(f"35B TP{world} decode ms/token, batch 1", row["decode_ms_p50"], 1.8, True))
         run("35b_tp_b1_torch_sampler", f"model={model_35b}", *fast, "kernels.sampling=torch")
+        sampled = ["sampling.temperature=0.8", "sampling.top_p=0.9"]  # what sampling costs the TP step: top-k 50's
+        run("35b_tp_b1_sampled_top_k", f"model={model_35b}", *fast, *sampled, "sampling.top_k=50")  # cuts from the
+        run("35b_tp_b1_sampled_top_p", f"model={model_35b}", *fast, *sampled)  # ranks' 50 best; top-p's by search
         save()
 
     if "ablation" in rows:

@@ -231,7 +231,7 @@ def runtime_setup(runner, batch: int) -> dict:
 
 def prepare(model: Qwen35MoE, s: Settings) -> None:
     """Set everything a run changes on a (possibly reused) model: every kernel group, the caches' shape."""
-    model.set_kernels(s.kernels, greedy=s.sampling.greedy)
+    model.set_kernels(s.kernels, greedy=s.sampling.greedy, top_k=s.sampling.top_k)
     if (model.batch_size, model.max_seq_len) != (s.batch_size, s.max_seq_len):
         model.setup_caches(s.batch_size, s.max_seq_len)
 

@@ -90,6 +90,41 @@ def llm_cases(V: int) -> tuple[torch.Tensor, dict]:
     return logits, params
 
 
+CANDIDATES = 8  # the top-k bound of cut_cases: below a rank's 64-token slice, so ranks hold more than they send
+
+
+def cut_cases(V: int) -> tuple[torch.Tensor, dict]:
+    """fp32 logits [96, V] and per-row parameters for the two ways to the Triton sampler's cuts (search, and each
+    rank's CANDIDATES best; every top_k in 1 .. CANDIDATES): rows of few levels (ties at the top-k cut past what
+    a rank sends, on several ranks; a few tokens above such a run), the best tokens all on one rank, fewer finite
+    logits than k, +inf, NaN, a row of -inf, all negative, at three temperatures and top-p from very low to off."""
+    gen = torch.Generator().manual_seed(23)
+    B = 96
+    logits = torch.randn(B, V, generator=gen) * 2
+    logits[0:24] = torch.randint(-3, 3, (24, V), generator=gen).float()  # 6 levels: ties everywhere
+    logits[24:36, : V // 4] += 6.0  # the best tokens on the first rank
+    logits[36:44, torch.randperm(V, generator=gen)[: V - 5]] = float("-inf")  # 5 finite logits: k may exceed them
+    logits[44:48, 3] = float("inf")
+    logits[48:52, V - 2] = float("nan")
+    logits[52:56] = float("-inf")
+    logits[56:64] -= 40  # every logit negative
+    # three tokens above a run of 30 ties at the top-6 cut, spread over the ranks: the top-k set's mass (and so the
+    # top-p cut among the three) needs every tie, past the few a rank sends
+    logits[64:72] -= 10
+    spread = torch.randperm(V, generator=gen)
+    logits[64:72, spread[:30]] = 1.0
+    logits[64:72, spread[30:33]] = torch.tensor([4.0, 3.0, 2.5])
+    params = {
+        "temperature": torch.tensor([0.5, 1.0, 2.0, 0.0])[torch.arange(B) % 4],
+        "top_k": torch.randint(1, CANDIDATES + 1, (B,), generator=gen).index_fill(0, torch.arange(64, 72), 6),
+        "top_p": torch.tensor([0.05, 0.37, 0.61, 0.93, 0.999, 1.0])[torch.arange(B) % 6],
+        "min_p": torch.tensor([0.0, 0.0, 0.1])[torch.arange(B) % 3],
+        "seed": torch.arange(B) + 7,
+        "step": torch.arange(B) * 3,
+    }
+    return logits, params
+
+
 class CollectiveCounter:
     """An independent count of the collectives a rank runs: torch.distributed's all_reduce / all_gather calls
     (the real ones still run), with the bytes each moves, by the ledger's phase."""
@@ -177,8 +212,14 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     ledger = TransferLedger()
     counter = CollectiveCounter(ledger)
     for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        model.set_kernels({"sampling": "triton"}, greedy=s.greedy)  # each rank's Triton candidates (interpreter)
-        out[f"{name}_triton"] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
+        # each rank's Triton candidates (interpreter); sampled: the top-k cut from each rank's 20 best logits
+        model.set_kernels({"sampling": "triton"}, greedy=s.greedy, top_k=s.top_k)
+        triton_ledger = TransferLedger()
+        gen = generate(ReferenceRunner(model, s, 2, triton_ledger), PROMPTS, NEW)
+        out[f"{name}_triton"] = gen.tokens
+        out[f"{name}_triton_decode_collectives"] = sorted(
+            (c.kind, c.nbytes) for c in triton_ledger.collectives if c.phase == "decode" and c.step == 1
+        )
         model.set_kernels({"sampling": "torch"}, greedy=s.greedy)
         ledger.clear()
         counter.seen.clear()
@@ -199,6 +240,15 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
         out[f"triton_{name}"] = sampling.sample(mine, layout.rank * Vl, *row_params.values(), triton=True).tolist()
         out[f"triton_{name}_greedy"] = sampling.greedy(mine, layout.rank * Vl, triton=True).tolist()
 
+    rows, row_params = cut_cases(V)
+    mine = rows[:, layout.rank * Vl : (layout.rank + 1) * Vl]
+    c, top_k, top_p = sampling.exp2_scale(row_params["temperature"]), row_params["top_k"], row_params["top_p"]
+    searched = sampling.searched_cuts(mine, c, top_k, top_p)
+    candidates = sampling.candidate_cuts(mine, c, top_k, top_p, CANDIDATES)
+    out["cuts_searched"], out["cuts_candidates"] = [(m.tolist(), cut.tolist()) for m, cut in (searched, candidates)]
+    out["triton_cut_cases"] = sampling.sample(mine, layout.rank * Vl, *row_params.values(), triton=True,
+                                              top_k_bound=CANDIDATES).tolist()  # fmt: skip
+
     if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
         from qmoe.export import ExportSettings
         from qmoe.runtime.cuda_native import CudaNativeRunner
@@ -207,7 +257,7 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
         runs = [("greedy", GREEDY, "split", "torch"), ("sampled", SAMPLED, "fused", "torch")]
         runs += [("sampled_triton", SAMPLED, "split", "triton")]  # the Triton candidates' custom op exports
         for name, s, split, sampler in runs:
-            model.set_kernels({"sampling": sampler}, greedy=s.greedy)
+            model.set_kernels({"sampling": sampler}, greedy=s.greedy, top_k=s.top_k)
             flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
             settings = ExportSettings(preset="copy_elided", method_split=split, device_memory_planning=True, **flags)
             runner = CudaNativeRunner(build_program(model, settings, 2, 32), model, s, 2, TransferLedger(), False)
@@ -325,6 +375,11 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     for name, (rows, row_params) in (("cases", (cases, params)), ("llm", llm_cases(V))):
         assert got[f"triton_{name}"] == fused_sampling.sample(rows.float(), *row_params.values()).tolist(), name
         assert got[f"triton_{name}_greedy"] == fused_sampling.greedy(rows.float()).tolist(), name
+    # the cuts from each rank's best CANDIDATES logits are the search's, on every row (ties past what ranks send,
+    # fewer finite logits than k, non-finite rows), and the tokens one process's Triton sampler draws
+    assert got["cuts_candidates"] == got["cuts_searched"]
+    rows, row_params = cut_cases(V)
+    assert got["triton_cut_cases"] == fused_sampling.sample(rows, *row_params.values()).tolist()
 
     assert got["load_mismatch"] == []
     assert got["reads_repeated"] == 0
@@ -340,6 +395,14 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     assert per_token["all_reduce"]["count"] == pytest.approx(blocks * steps / tokens)
     assert per_token["all_reduce"]["bytes"] == pytest.approx(blocks * steps * 2 * cfg.hidden_size * 4 / tokens)
     assert per_token["all_gather"]["count"] == pytest.approx(steps / tokens)  # greedy: one gather of candidates
+    # a sampled decode step of the Triton sampler (top-k 20 in the config): the blocks' all-reduces, then two
+    # all-gathers, each rank's 20 best logits (+ its ties at the 20th and its max) and its race winner; no search
+    W, B, C = tp * ep, 2, min(SAMPLED.top_k, cfg.vocab_size // (tp * ep))
+    blocks_bytes = [("all_reduce", B * cfg.hidden_size * 4)] * blocks
+    assert got["sampled_triton_decode_collectives"] == sorted(
+        [*blocks_bytes, ("all_gather", W * B * (C + 2) * 8), ("all_gather", W * B * 4 * 8)]
+    )
+    assert got["greedy_triton_decode_collectives"] == sorted([*blocks_bytes, ("all_gather", W * B * 2 * 8)])
 
 
 @pytest.mark.parametrize("bracket", ["int32", "float64"])

@@ -309,6 +309,28 @@ def test_app_loads_a_saved_program(tmp_path):
         )
 
 
+def test_a_saved_program_samples_only_as_it_was_exported(tmp_path):
+    """A program whose methods sample bakes in what its config fixed (greedy: the argmax alone): loading it for a
+    run that samples otherwise is refused in one line, not run with the exported sampler."""
+    from qmoe.runtime.executor import load_program
+
+    cfg = ModelConfig.from_dict(dict(compose_config().model.arch))
+    model = build_model(cfg, torch.float32, "cpu", seed=0)
+    model.setup_caches(1, 16)
+    identity = {"source": "random", "seed": 0}
+    settings = ExportSettings(preset="baseline", method_split="split")
+    model.set_kernels({}, greedy=True)
+    build_program(model, settings, 1, 16, exports=Exports()).save(tmp_path / "greedy", identity)
+    assert load_program(tmp_path / "greedy", model, identity, settings).kernels["sampling"].endswith("[greedy]")
+    model.set_kernels({}, greedy=False)
+    with pytest.raises(ExportError, match=r"^refusing program .*sample with kernels\.sampling\.naive\[greedy\], "):
+        load_program(tmp_path / "greedy", model, identity, settings)
+    forward_only = ExportSettings(preset="baseline", method_split="forward_only")  # the runner samples: any config
+    build_program(model, forward_only, 1, 16, exports=Exports()).save(tmp_path / "forward", identity)
+    model.set_kernels({}, greedy=True)
+    load_program(tmp_path / "forward", model, identity, forward_only)
+
+
 def test_invalid_combination_is_one_line_exit_2():
     cmd = [sys.executable, "run.py", "runtime=host", "export.method_split=fused", "logger=none"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ import kernels
 from kernels.fp8 import FP8, quantize_into, scale_shape
 from kernels.linear import aligned_rows
 from qmoe.model.config import ModelConfig
-from qmoe.parallel import collectives
+from qmoe.parallel import collectives, sampling
 from qmoe.parallel.layout import SINGLE, Layout
 
 KERNEL_GROUPS = kernels.OPS
@@ -275,14 +275,19 @@ class DecoderLayer(nn.Module):
         return mlp(x, proj, ops), residual
 
 
-def greedy_sampler(module) -> SimpleNamespace:
-    """A sampling module whose `sample(logits, *params)` is `module.greedy(logits)`: right only when every row's
-    temperature is 0, which the caller knows from its config (the parameters are device tensors)."""
-
-    def sample(logits, *params):
-        return module.greedy(logits)
-
-    return SimpleNamespace(sample=sample, greedy=module.greedy, general=module, __name__=f"{module.__name__}[greedy]")
+def configured_sampler(module, greedy: bool, top_k: int):
+    """`module` (a kernels.sampling implementation) as the run's config fixes it for every row, which the caller
+    knows and the parameters (device tensors) do not say: greedy (every temperature 0) -> `sample(logits, *params)`
+    is `module.greedy(logits)`, one launch; else top_k > 0 (every row's top-k at most this) -> vocab-parallel ranks
+    find the cuts from each one's top_k best logits (qmoe.parallel.sampling.candidate_cuts). Exported methods bake
+    the choice in; the name carries it (it keys the export cache and the saved artifact's manifest)."""
+    if not greedy and top_k <= 0:
+        return module
+    name = f"{module.__name__}[greedy]" if greedy else f"{module.__name__}[top_k<={top_k}]"
+    sample = (lambda logits, *params: module.greedy(logits)) if greedy else module.sample
+    bound = 0 if greedy else top_k
+    return SimpleNamespace(sample=sample, greedy=module.greedy, general=module, all_greedy=greedy, top_k_bound=bound,
+                           __name__=name)  # fmt: skip
 
 
 class Qwen35MoE(nn.Module):
@@ -351,15 +356,17 @@ class Qwen35MoE(nn.Module):
                 scale = fuse_rows_(module, parts, "weight_scale") if fp8 else None
                 module.register_buffer(f"{name}_scale", scale, persistent=False)
 
-    def set_kernels(self, choice: dict, greedy: bool = False) -> None:
+    def set_kernels(self, choice: dict, greedy: bool = False, top_k: int = 0) -> None:
         """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are.
         greedy: the run samples every row at temperature 0 (its config says so), so `sample` is the sampler's
-        argmax entry point (one launch) instead of its general path; exported methods bake the choice in, and
-        the sampling module's name carries it (it keys the export cache and the saved artifact's manifest)."""
+        argmax entry point (one launch) instead of its general path. top_k: every row's top-k (its config; 0 =
+        off): with vocab-parallel logits, up to CANDIDATES_MAX, the Triton sampler's cuts come from each rank's k
+        best logits in one all-gather instead of a search (`configured_sampler`)."""
         for group, impl in choice.items():
             self.ops[group] = kernels.resolve(group, impl)
-        sampler = getattr(self.ops["sampling"], "general", self.ops["sampling"])  # undo an earlier greedy choice
-        self.ops["sampling"] = greedy_sampler(sampler) if greedy else sampler
+        sampler = getattr(self.ops["sampling"], "general", self.ops["sampling"])  # undo an earlier choice
+        bound = top_k if self.layout.sharded and 0 < top_k <= sampling.CANDIDATES_MAX else 0
+        self.ops["sampling"] = configured_sampler(sampler, greedy, bound)
 
     @property
     def device(self) -> torch.device:
@@ -401,13 +408,13 @@ class Qwen35MoE(nn.Module):
         """logits [B, V] -> token ids int64 [B] through the `kernels.sampling` implementation; vocab-parallel
         logits [B, V / world] are sampled without gathering them (qmoe.parallel.sampling)."""
         if self.layout.sharded:
-            from qmoe.parallel import sampling
-
-            impl = getattr(self.ops["sampling"], "general", self.ops["sampling"])
-            triton = impl is not kernels.resolve("sampling", "torch")  # each equals its own one-process sampler
-            if impl is not self.ops["sampling"]:  # the greedy entry point
+            impl = self.ops["sampling"]
+            # each implementation's vocab-parallel form equals its own one-process sampler
+            triton = getattr(impl, "general", impl) is not kernels.resolve("sampling", "torch")
+            if getattr(impl, "all_greedy", False):
                 return sampling.greedy(logits, self.vocab_start, triton)
-            return sampling.sample(logits, self.vocab_start, temperature, top_k, top_p, min_p, seed, step, triton)
+            params = (temperature, top_k, top_p, min_p, seed, step)
+            return sampling.sample(logits, self.vocab_start, *params, triton, getattr(impl, "top_k_bound", 0))
         return self.ops["sampling"].sample(logits, temperature, top_k, top_p, min_p, seed, step)
 
 

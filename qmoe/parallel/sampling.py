@@ -2,10 +2,11 @@
 
 Each rank holds logits [B, V / world] of the tokens start .. start + V / world - 1. It reduces them to a few
 numbers per row and small collectives over the world combine those: the row's max (all-reduce), the filters'
-global cuts (a search over the cut value, each round one all-reduce of SEARCH_PIVOTS counts or masses per row), and one
-all-gather of each rank's candidates: its max with its lowest index (NaN if its slice holds one) and, when
-sampling, its race winner and race key. Every rank then picks the same token (`choose`). The race's noise is keyed
-by the global token index, so every token is what one process draws.
+global cuts (a search over the cut value, each round one all-reduce of SEARCH_PIVOTS counts or masses per row; or,
+for the Triton sampler under a top-k bound the config fixes, one all-gather of each rank's k best logits:
+`candidate_cuts`), and one all-gather of each rank's candidates: its max with its lowest index (NaN if its slice
+holds one) and, when sampling, its race winner and race key. Every rank then picks the same token (`choose`). The
+race's noise is keyed by the global token index, so every token is what one process draws.
 
 Two implementations, each equal to its one-process sampler (`kernels.sampling`):
 - torch (kernels/sampling/naive.py): float64 softmax, its hash noise; the local reductions in torch;
@@ -32,6 +33,7 @@ from qmoe.parallel.collectives import all_gather, all_reduce, size
 
 LOG2E = 1.4426950408889634  # as kernels/sampling/triton.py: p = 2^((x - max) * log2(e) / T)
 
+CANDIDATES_MAX = 1024  # top-k bounds up to this: each rank sends its k best logits (one all-gather, no cut search)
 SEARCH_PIVOTS = 255  # per round: a bracket of keys shrinks 256-fold (one all-reduce costs its latency, not bytes)
 POS_INF_KEY = 0x7FF0000000000000  # the bits of +inf as int64: the largest key of a non-negative double
 INT32_KEYS = (-(2**31) - 1, 2**31 - 1)  # below every int32 key; the largest one
@@ -111,10 +113,13 @@ def greedy(logits: torch.Tensor, start: int, triton: bool = False) -> torch.Tens
     return choose(all_gather(mine, "world"), None)
 
 
-def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, triton: bool = False) -> torch.Tensor:
-    """One process's `sample` of the gathered logits, from this rank's slice logits [B, V / world] -> int64 [B]."""
+def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, triton: bool = False,
+           top_k_bound: int = 0) -> torch.Tensor:  # fmt: skip
+    """One process's `sample` of the gathered logits, from this rank's slice logits [B, V / world] -> int64 [B].
+    top_k_bound (triton only): every row's top_k is in 1 .. top_k_bound (the caller's config says so; the parameters
+    are device tensors), which lets the cuts come from each rank's top_k_bound best logits (`candidate_cuts`)."""
     if triton:
-        return sample_triton(logits, start, temperature, top_k, top_p, min_p, seed, step)
+        return sample_triton(logits, start, temperature, top_k, top_p, min_p, seed, step, top_k_bound)
     Vl = logits.shape[1]
     V = Vl * size("world")
     logits, scaled, temperature, top_k, top_p, min_p, seed, step = naive_sampling.prepare(
@@ -136,9 +141,10 @@ def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, tri
     return choose(all_gather(mine, "world"), temperature > 0)
 
 
-def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step) -> torch.Tensor:
-    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys, the race
-    in `shard_candidates`."""
+def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step, top_k_bound: int = 0):
+    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys (from
+    each rank's candidates when 0 < top_k_bound <= CANDIDATES_MAX, else by the search), the race in
+    `shard_candidates`."""
     B, fused = logits.shape[0], triton_sampling()
 
     def per_row(v, dtype):  # contiguous: shard_candidates reads row r's parameter at r
@@ -148,21 +154,79 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     top_k, seed, step = (per_row(v, torch.int64) for v in (top_k, seed, step))
     sampled = temperature > 0
     x = logits.float()  # [B, Vl] the kernel's values
+    c = exp2_scale(temperature)
+    if 0 < top_k_bound <= CANDIDATES_MAX:
+        m, cut = candidate_cuts(x, c, top_k, top_p, min(top_k_bound, x.shape[1]))
+    else:
+        m, cut = searched_cuts(x, c, top_k, top_p)
+    race = (m, temperature, cut.int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
+    mine = fused.shard_candidates(logits, start, race)
+    return choose(all_gather(mine, "world"), sampled)
+
+
+def exp2_scale(temperature: torch.Tensor) -> torch.Tensor:
+    """c [B] fp32, as the kernel's: a token's mass is 2^((x - max) * c); rows at temperature 0 take T = 1."""
+    return torch.where(temperature > 0, LOG2E / temperature.clamp(min=1e-30), LOG2E)
+
+
+def searched_cuts(x: torch.Tensor, c: torch.Tensor, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the row's max m [B] fp32, NaN ignored; the kept tokens' lowest key [B] int64): the top-k cut, then the
+    top-p cut within the top-k set, each by `global_cut` over the rank's int32 keys (a sort of the slice, then 4
+    all-reduces per cut)."""
     finite = x.isfinite()
     m = all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")  # [B] the row's max
-    c = torch.where(sampled, LOG2E / temperature.clamp(min=1e-30), LOG2E)  # fp32, as the kernel's
     mass = torch.where(finite, torch.exp2((x.double() - m.double()[:, None]) * c.double()[:, None]), 0.0)
-    keys = fused.ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing below
+    keys = triton_sampling().ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing
     ordered = keys.sort(-1)
     kth = global_cut(keys, finite.double(), top_k.clamp(min=1).double(), *INT32_KEYS, ordered)  # < k finite above
     cut = torch.where(top_k > 0, kth, INT32_KEYS[0] + 1)  # off: the lowest key (k >= the finite tokens cuts there)
     kept = torch.where(keys >= cut[:, None], mass, 0.0)
     target = top_p.double() * all_reduce(kept.sum(-1), "world")  # top_p of the top-k set's mass
     p_cut = global_cut(keys, kept, target, *INT32_KEYS, ordered)
-    cut = torch.where(top_p < 1, torch.maximum(cut, p_cut), cut)
-    race = (m, temperature, cut.int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
-    mine = fused.shard_candidates(logits, start, race)
-    return choose(all_gather(mine, "world"), sampled)
+    return m, torch.where(top_p < 1, torch.maximum(cut, p_cut), cut)
+
+
+def candidate_cuts(x: torch.Tensor, c: torch.Tensor, top_k, top_p, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`searched_cuts` for rows whose top_k is in 1 .. C, from one all-gather of each rank's C largest finite logits
+    (with its max, and how many of its logits equal its C-th); every rank then finds the same cuts from the W * C.
+    They suffice: fewer than k tokens lie above the top-k cut (its definition), so each rank sent all of its own;
+    the top-p cut is at or above the top-k cut and weighs only tokens above itself. The tokens tied at the top-k
+    cut count in the top-k set's mass, and only they can outnumber what a rank sent: the rank whose C-th logit is
+    at the cut counted all of its own; every other rank holds none below what it sent, so it sent them all."""
+    B = x.shape[0]
+    finite = x.isfinite()
+    masked = torch.where(finite, x, float("-inf"))
+    best = masked.topk(C, -1).values  # [B, C] descending; -inf past the rank's finite logits
+    ties = ((masked == best[:, -1:]) & finite).sum(-1)  # [B] the rank's finite logits equal to its C-th
+    local_max = torch.where(x.isnan(), float("-inf"), x).amax(-1)  # [B]
+    mine = torch.cat([best.double(), ties.double()[:, None], local_max.double()[:, None]], -1)  # [B, C + 2]
+    every = all_gather(mine, "world")  # [W, B, C + 2]
+    W = every.shape[0]
+    m = every[..., C + 1].amax(0)  # [B] the row's max (fp32 values: exact in fp64)
+    values = every[..., :C].permute(1, 0, 2).reshape(B, W * C)  # [B, W * C] each rank's C, in rank order
+    valid = values.isfinite()
+    keys = torch.where(valid, triton_sampling().ordered_keys(torch.where(valid, values, 0.0)), INT32_KEYS[0])
+    sent_keys = keys.view(B, W, C)
+    keys, order = keys.sort(-1, descending=True)
+    values = values.gather(1, order)
+    k = top_k.clamp(1, C)[:, None]  # [B, 1]
+    kth = keys.gather(1, k - 1)[:, 0]
+    cut = torch.where(valid.sum(-1) >= k[:, 0], kth, INT32_KEYS[0] + 1)  # fewer finite logits than k: all kept
+    at_cut = torch.where(sent_keys[..., -1] == cut[:, None], every[..., C].t(),
+                         (sent_keys == cut[:, None, None]).sum(-1)).sum(-1)  # fmt: skip  # [B] tokens tied at the cut
+    cw = c.double()[:, None]
+    above = keys > cut[:, None]
+    mass = torch.where(above, torch.exp2((values - m[:, None]) * cw), 0.0)  # [B, W * C], descending keys
+    cut_mass = torch.exp2((values.gather(1, k - 1) - m[:, None]) * cw)[:, 0]
+    kept = mass.sum(-1) + torch.where(at_cut > 0, at_cut * cut_mass, 0.0)  # the top-k set's mass
+    # the top-p cut: the key of the first token (by descending key) whose mass with the tokens above reaches
+    # top_p of the kept mass (its measure, the mass above it, is then below the target; the one before's is not);
+    # a target of 0 (no finite logit, or an +inf one: `choose` decides those rows) the search leaves at its top key
+    target = top_p.double() * kept
+    reached = above & (mass.cumsum(-1) >= target[:, None])
+    p_cut = torch.where(reached.any(-1), keys.gather(1, reached.int().argmax(-1)[:, None])[:, 0], cut)
+    p_cut = torch.where(target > 0, p_cut, INT32_KEYS[1])
+    return m.float(), torch.where(top_p < 1, torch.maximum(cut, p_cut), cut)
 
 
 def triton_sampling():

@@ -66,6 +66,13 @@ def load_program(directory, model, weights_identity: dict, settings: ExportSetti
             f"refusing program {directory}: exported with {program.settings.to_dict()}, the config asks for "
             f"{settings.to_dict()}"
         )
+    # every method but forward samples, with what the config that exported it fixed (greedy, a top-k bound)
+    saved, wanted = program.kernels["sampling"], model.ops["sampling"].__name__
+    if program.settings.methods != ("forward",) and saved != wanted:
+        raise ExportError(
+            f"refusing program {directory}: its methods sample with {saved}, the config's sampling needs {wanted} "
+            f"(sampling.temperature 0 exports the argmax alone, sampling.top_k > 0 under parallel.tp x ep > 1 a bound)"
+        )
     return pin_host_arena(program)
 
 
