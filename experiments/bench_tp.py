@@ -106,8 +106,8 @@ def check(arch: dict, layout, dtype, kernels: str, steps: int = 8) -> dict:
         logits = collectives.all_gather(local, "world").permute(1, 0, 2).flatten(1)  # [1, V]: only to compare
         params = (0.8, 50, 0.9, 0.0, 3, i)  # every rank: its sampled token against one GPU's on the same logits
         one = one_gpu.sample(logits, *params).item()
-        for bound in (0, 50):  # the cuts by search, and from each rank's 50 best logits (the Triton sampler)
-            drawn = sampling.sample(local, model.vocab_start, *params, triton=kernels == "triton", top_k_bound=bound)
+        for filters in (None, sampling.Filters(50, True)):  # the cuts by search; from each rank's 50 best logits
+            drawn = sampling.sample(local, model.vocab_start, *params, triton=kernels == "triton", filters=filters)
             sampled.append(drawn.item() == one)
         mine.append(token.item())
         if full is not None:

@@ -69,6 +69,7 @@ except Exception as e:
     bench_fp8) run_stage bench_fp8 python3 experiments/bench_fp8.py --sections ${FP8_SECTIONS:-gemv moe} ;;
     bench_fp8_moe_prefill) STAGE_TIMEOUT=300 run_stage bench_fp8_moe_prefill python3 experiments/bench_fp8.py --sections moe_prefill --out results/bench_fp8_moe_prefill.json ;;
     bench_checkpoint_tp2) STAGE_TIMEOUT=240 run_stage bench_checkpoint_tp2 python3 experiments/bench_checkpoint_load.py --device cuda --tp 2 --out results/bench_checkpoint_load_tp2.json ;;
+    sampler_cuts) STAGE_TIMEOUT=120 run_stage sampler_cuts python3 experiments/sampler_cuts.py ;;
     probe_eager) STAGE_TIMEOUT=330 run_stage probe_eager python3 experiments/probe_eager_in_process.py ${PROBE_ARGS:-} ;;
     bench_checkpoint_fp8) run_stage bench_checkpoint_fp8 python3 experiments/bench_checkpoint_load.py --device cuda --quant fp8_block ;;
     runtime) STAGE_TIMEOUT=290 run_stage runtime python3 experiments/runtime_acceptance.py ;;

@@ -22,6 +22,7 @@ from qmoe.metrics.measure import (
     reset_peak_memory,
 )
 from qmoe.model import ModelConfig, Qwen35MoE, build_model, fp8_parameters, fp8_weight_names, weight_nbytes
+from qmoe.parallel.sampling import Filters
 from qmoe.prompts import build_prompts, check_fits
 from qmoe.runtime.combos import resolve_cuda_graph
 from qmoe.runtime.generate import generate
@@ -231,7 +232,8 @@ def runtime_setup(runner, batch: int) -> dict:
 
 def prepare(model: Qwen35MoE, s: Settings) -> None:
     """Set everything a run changes on a (possibly reused) model: every kernel group, the caches' shape."""
-    model.set_kernels(s.kernels, greedy=s.sampling.greedy, top_k=s.sampling.top_k)
+    filters = Filters(s.sampling.top_k, s.sampling.top_p < 1)
+    model.set_kernels(s.kernels, greedy=s.sampling.greedy, filters=filters)
     if (model.batch_size, model.max_seq_len) != (s.batch_size, s.max_seq_len):
         model.setup_caches(s.batch_size, s.max_seq_len)
 

@@ -22,6 +22,7 @@ from qmoe.model import build_model
 from qmoe.model.qwen35_moe import shard_blocks
 from qmoe.parallel import fp8_layout_errors, layout_errors
 from qmoe.parallel.layout import Layout
+from qmoe.parallel.sampling import Filters
 from qmoe.runtime.generate import ReferenceRunner, generate
 from qmoe.runtime.ledger import TransferLedger
 from qmoe.settings import SamplingSettings
@@ -29,6 +30,7 @@ from qmoe.settings import SamplingSettings
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingSettings(0.0, 0, 1.0, 0.0, 0)
 SAMPLED = SamplingSettings(0.8, 20, 0.9, 0.02, 3)  # every filter on, so every global cut is exercised
+UNFILTERED = SamplingSettings(1.1, 0, 1.0, 0.05, 4)  # temperature and min-p alone: no cut to find
 PROMPTS = [[5, 17, 300, 2, 9], [44, 1, 8, 250, 13, 77, 6, 31]]  # ragged: row 1 reads its prompt while row 0 decodes
 NEW = 5
 LAYOUTS = {  # (tp, ep, also run the exported cuda_native loop, the checkpoint's expert layout)
@@ -211,15 +213,17 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
 
     ledger = TransferLedger()
     counter = CollectiveCounter(ledger)
-    for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        # each rank's Triton candidates (interpreter); sampled: the top-k cut from each rank's 20 best logits
-        model.set_kernels({"sampling": "triton"}, greedy=s.greedy, top_k=s.top_k)
+    for name, s in (("greedy", GREEDY), ("sampled", SAMPLED), ("unfiltered", UNFILTERED)):
+        # each rank's Triton candidates (interpreter); sampled: the cuts from each rank's 20 best logits
+        model.set_kernels({"sampling": "triton"}, greedy=s.greedy, filters=Filters(s.top_k, s.top_p < 1))
         triton_ledger = TransferLedger()
         gen = generate(ReferenceRunner(model, s, 2, triton_ledger), PROMPTS, NEW)
         out[f"{name}_triton"] = gen.tokens
         out[f"{name}_triton_decode_collectives"] = sorted(
             (c.kind, c.nbytes) for c in triton_ledger.collectives if c.phase == "decode" and c.step == 1
         )
+        if s is UNFILTERED:
+            continue
         model.set_kernels({"sampling": "torch"}, greedy=s.greedy)
         ledger.clear()
         counter.seen.clear()
@@ -247,7 +251,7 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     candidates = sampling.candidate_cuts(mine, c, top_k, top_p, CANDIDATES)
     out["cuts_searched"], out["cuts_candidates"] = [(m.tolist(), cut.tolist()) for m, cut in (searched, candidates)]
     out["triton_cut_cases"] = sampling.sample(mine, layout.rank * Vl, *row_params.values(), triton=True,
-                                              top_k_bound=CANDIDATES).tolist()  # fmt: skip
+                                              filters=Filters(CANDIDATES, True)).tolist()  # fmt: skip
 
     if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
         from qmoe.export import ExportSettings
@@ -257,7 +261,7 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
         runs = [("greedy", GREEDY, "split", "torch"), ("sampled", SAMPLED, "fused", "torch")]
         runs += [("sampled_triton", SAMPLED, "split", "triton")]  # the Triton candidates' custom op exports
         for name, s, split, sampler in runs:
-            model.set_kernels({"sampling": sampler}, greedy=s.greedy, top_k=s.top_k)
+            model.set_kernels({"sampling": sampler}, greedy=s.greedy, filters=Filters(s.top_k, s.top_p < 1))
             flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
             settings = ExportSettings(preset="copy_elided", method_split=split, device_memory_planning=True, **flags)
             runner = CudaNativeRunner(build_program(model, settings, 2, 32), model, s, 2, TransferLedger(), False)
@@ -321,7 +325,7 @@ def one_process():
             token = naive_sampling.greedy(logits[-1])
             logits.append(model(token[:, None], torch.full((2,), pos)))
         out = {"logits": logits}
-        for name, s in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        for name, s in (("greedy", GREEDY), ("sampled", SAMPLED), ("unfiltered", UNFILTERED)):
             for sampler, suffix in (("torch", ""), ("triton", "_triton")):
                 model.set_kernels({"sampling": sampler}, greedy=s.greedy)
                 out[name + suffix] = generate(ReferenceRunner(model, s, 2, TransferLedger()), PROMPTS, NEW).tokens
@@ -363,6 +367,7 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     # kernels.sampling=triton: each rank's Triton candidates give the Triton sampler's tokens of one process
     assert got["greedy_triton"] == one_process["greedy_triton"] == one_process["greedy"]
     assert got["sampled_triton"] == one_process["sampled_triton"]
+    assert got["unfiltered_triton"] == one_process["unfiltered_triton"]
     if exported:
         assert got["exported_greedy"] == one_process["greedy"]
         assert got["exported_sampled"] == one_process["sampled"]
@@ -395,7 +400,7 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     assert per_token["all_reduce"]["count"] == pytest.approx(blocks * steps / tokens)
     assert per_token["all_reduce"]["bytes"] == pytest.approx(blocks * steps * 2 * cfg.hidden_size * 4 / tokens)
     assert per_token["all_gather"]["count"] == pytest.approx(steps / tokens)  # greedy: one gather of candidates
-    # a sampled decode step of the Triton sampler (top-k 20 in the config): the blocks' all-reduces, then two
+    # a sampled decode step of the Triton sampler (top-k 20 and top-p in the config): the blocks' all-reduces, two
     # all-gathers, each rank's 20 best logits (+ its ties at the 20th and its max) and its race winner; no search
     W, B, C = tp * ep, 2, min(SAMPLED.top_k, cfg.vocab_size // (tp * ep))
     blocks_bytes = [("all_reduce", B * cfg.hidden_size * 4)] * blocks
@@ -403,6 +408,36 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
         [*blocks_bytes, ("all_gather", W * B * (C + 2) * 8), ("all_gather", W * B * 4 * 8)]
     )
     assert got["greedy_triton_decode_collectives"] == sorted([*blocks_bytes, ("all_gather", W * B * 2 * 8)])
+    # no filter: the row's max (one all-reduce of B fp32), then the race winners
+    assert got["unfiltered_triton_decode_collectives"] == sorted(
+        [*blocks_bytes, ("all_reduce", B * 4), ("all_gather", W * B * 4 * 8)]
+    )
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p,cuts,name",
+    [
+        (20, True, "candidates", "top_k=20,top_p"),  # Qwen's recipe: each rank's 20 best logits hold both cuts
+        (1024, False, "candidates", "top_k=1024"),
+        (1025, True, "search", "top_k=1025,top_p"),  # past CANDIDATES_MAX the all-gather would outgrow the search
+        (0, True, "search", "top_p"),  # top-p alone: its cut may lie anywhere in a flat row
+        (0, False, "none", "no filter"),  # temperature / min-p alone: the row's max is all the race needs
+    ],
+)
+def test_filters_choose_how_the_cuts_are_found(top_k, top_p, cuts, name):
+    from kernels.sampling import triton
+
+    filters = Filters(top_k, top_p)
+    assert (filters.cuts, str(filters)) == (cuts, name)
+    sharded = build_model(tiny_config(), torch.float32, "meta", seed=None, layout=Layout(2, 1, 0))
+    sharded.set_kernels({"sampling": "triton"}, filters=filters)  # the name keys exports and saved programs
+    baked = cuts != "search"
+    assert sharded.ops["sampling"].__name__ == triton.__name__ + (f"[{name}]" if baked else "")
+    sharded.set_kernels({"sampling": "torch"}, filters=filters)  # the torch form always searches
+    assert sharded.ops["sampling"] is naive_sampling
+    single = build_model(tiny_config(), torch.float32, "meta", seed=None)
+    single.set_kernels({"sampling": "triton"}, filters=filters)  # one process: nothing to skip
+    assert single.ops["sampling"] is triton
 
 
 @pytest.mark.parametrize("bracket", ["int32", "float64"])

@@ -275,19 +275,20 @@ class DecoderLayer(nn.Module):
         return mlp(x, proj, ops), residual
 
 
-def configured_sampler(module, greedy: bool, top_k: int):
+def configured_sampler(module, greedy: bool, filters: sampling.Filters | None):
     """`module` (a kernels.sampling implementation) as the run's config fixes it for every row, which the caller
     knows and the parameters (device tensors) do not say: greedy (every temperature 0) -> `sample(logits, *params)`
-    is `module.greedy(logits)`, one launch; else top_k > 0 (every row's top-k at most this) -> vocab-parallel ranks
-    find the cuts from each one's top_k best logits (qmoe.parallel.sampling.candidate_cuts). Exported methods bake
-    the choice in; the name carries it (it keys the export cache and the saved artifact's manifest)."""
-    if not greedy and top_k <= 0:
+    is `module.greedy(logits)`, one launch; else `filters` (every row's top-k and top-p) -> vocab-parallel ranks
+    skip the cut search where those allow (qmoe.parallel.sampling.Filters). Exported methods bake the choice in;
+    the name carries it (it keys the export cache and the saved artifact's manifest)."""
+    if greedy:
+        sample = lambda logits, *params: module.greedy(logits)  # noqa: E731
+        return SimpleNamespace(sample=sample, greedy=module.greedy, general=module, all_greedy=True, filters=None,
+                               __name__=f"{module.__name__}[greedy]")  # fmt: skip
+    if filters is None:
         return module
-    name = f"{module.__name__}[greedy]" if greedy else f"{module.__name__}[top_k<={top_k}]"
-    sample = (lambda logits, *params: module.greedy(logits)) if greedy else module.sample
-    bound = 0 if greedy else top_k
-    return SimpleNamespace(sample=sample, greedy=module.greedy, general=module, all_greedy=greedy, top_k_bound=bound,
-                           __name__=name)  # fmt: skip
+    return SimpleNamespace(sample=module.sample, greedy=module.greedy, general=module, all_greedy=False,
+                           filters=filters, __name__=f"{module.__name__}[{filters}]")  # fmt: skip
 
 
 class Qwen35MoE(nn.Module):
@@ -356,17 +357,18 @@ class Qwen35MoE(nn.Module):
                 scale = fuse_rows_(module, parts, "weight_scale") if fp8 else None
                 module.register_buffer(f"{name}_scale", scale, persistent=False)
 
-    def set_kernels(self, choice: dict, greedy: bool = False, top_k: int = 0) -> None:
+    def set_kernels(self, choice: dict, greedy: bool = False, filters: sampling.Filters | None = None) -> None:
         """choice: {group: 'torch' | 'triton'} for any of KERNEL_GROUPS; groups not named stay as they are.
         greedy: the run samples every row at temperature 0 (its config says so), so `sample` is the sampler's
-        argmax entry point (one launch) instead of its general path. top_k: every row's top-k (its config; 0 =
-        off): with vocab-parallel logits, up to CANDIDATES_MAX, the Triton sampler's cuts come from each rank's k
-        best logits in one all-gather instead of a search (`configured_sampler`)."""
+        argmax entry point (one launch) instead of its general path. filters: every row's top-k and top-p (its
+        config): with vocab-parallel logits the Triton sampler finds no cut without a filter, and under a top-k
+        up to CANDIDATES_MAX its cuts from each rank's k best logits, where it would search (`configured_sampler`)."""
         for group, impl in choice.items():
             self.ops[group] = kernels.resolve(group, impl)
         sampler = getattr(self.ops["sampling"], "general", self.ops["sampling"])  # undo an earlier choice
-        bound = top_k if self.layout.sharded and 0 < top_k <= sampling.CANDIDATES_MAX else 0
-        self.ops["sampling"] = configured_sampler(sampler, greedy, bound)
+        triton = sampler is not kernels.resolve("sampling", "torch")  # the torch form always searches
+        skips = triton and self.layout.sharded and filters is not None and filters.cuts != "search"
+        self.ops["sampling"] = configured_sampler(sampler, greedy, filters if skips else None)
 
     @property
     def device(self) -> torch.device:
@@ -414,7 +416,7 @@ class Qwen35MoE(nn.Module):
             if getattr(impl, "all_greedy", False):
                 return sampling.greedy(logits, self.vocab_start, triton)
             params = (temperature, top_k, top_p, min_p, seed, step)
-            return sampling.sample(logits, self.vocab_start, *params, triton, getattr(impl, "top_k_bound", 0))
+            return sampling.sample(logits, self.vocab_start, *params, triton, getattr(impl, "filters", None))
         return self.ops["sampling"].sample(logits, temperature, top_k, top_p, min_p, seed, step)
 
 

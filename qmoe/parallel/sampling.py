@@ -2,11 +2,12 @@
 
 Each rank holds logits [B, V / world] of the tokens start .. start + V / world - 1. It reduces them to a few
 numbers per row and small collectives over the world combine those: the row's max (all-reduce), the filters'
-global cuts (a search over the cut value, each round one all-reduce of SEARCH_PIVOTS counts or masses per row; or,
-for the Triton sampler under a top-k bound the config fixes, one all-gather of each rank's k best logits:
-`candidate_cuts`), and one all-gather of each rank's candidates: its max with its lowest index (NaN if its slice
-holds one) and, when sampling, its race winner and race key. Every rank then picks the same token (`choose`). The
-race's noise is keyed by the global token index, so every token is what one process draws.
+global cuts (a search over the cut value, each round one all-reduce of SEARCH_PIVOTS counts or masses per row; for
+the Triton sampler under a top-k the config fixes for every row, one all-gather of each rank's k best logits:
+`candidate_cuts`; none without a filter), and one all-gather of each rank's candidates: its max with its lowest
+index (NaN if its slice holds one) and, when sampling, its race winner and race key. Every rank then picks the
+same token (`choose`). The race's noise is keyed by the global token index, so every token is what one process
+draws.
 
 Two implementations, each equal to its one-process sampler (`kernels.sampling`):
 - torch (kernels/sampling/naive.py): float64 softmax, its hash noise; the local reductions in torch;
@@ -24,6 +25,8 @@ rounds as the key range needs (fixed per range, so an exported method holds a fi
 patterns, 4 for int32 keys.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,10 +36,30 @@ from qmoe.parallel.collectives import all_gather, all_reduce, size
 
 LOG2E = 1.4426950408889634  # as kernels/sampling/triton.py: p = 2^((x - max) * log2(e) / T)
 
-CANDIDATES_MAX = 1024  # top-k bounds up to this: each rank sends its k best logits (one all-gather, no cut search)
+CANDIDATES_MAX = 1024  # a config's top-k up to this: each rank sends its k best logits (one all-gather, no search)
 SEARCH_PIVOTS = 255  # per round: a bracket of keys shrinks 256-fold (one all-reduce costs its latency, not bytes)
 POS_INF_KEY = 0x7FF0000000000000  # the bits of +inf as int64: the largest key of a non-negative double
 INT32_KEYS = (-(2**31) - 1, 2**31 - 1)  # below every int32 key; the largest one
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The filters a run's config sets for every row, which its per-row parameters (device tensors) cannot say:
+    top_k (0: off) and whether top-p is on. They let the vocab-parallel Triton sampler skip the cut search: no cut
+    to find (`uncut`), or the cuts from each rank's top_k best logits (`candidate_cuts`, top_k <= CANDIDATES_MAX)."""
+
+    top_k: int
+    top_p: bool
+
+    @property
+    def cuts(self) -> str:
+        """How the Triton sampler finds them: "none", "candidates" or "search"."""
+        if self.top_k <= 0:
+            return "search" if self.top_p else "none"
+        return "candidates" if self.top_k <= CANDIDATES_MAX else "search"
+
+    def __str__(self) -> str:  # what a sampler's name carries (exported methods bake the filters in)
+        return ",".join([f"top_k={self.top_k}"] * (self.top_k > 0) + ["top_p"] * self.top_p) or "no filter"
 
 
 def search_rounds(lo: int, hi: int) -> int:
@@ -114,12 +137,11 @@ def greedy(logits: torch.Tensor, start: int, triton: bool = False) -> torch.Tens
 
 
 def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, triton: bool = False,
-           top_k_bound: int = 0) -> torch.Tensor:  # fmt: skip
+           filters: Filters | None = None) -> torch.Tensor:  # fmt: skip
     """One process's `sample` of the gathered logits, from this rank's slice logits [B, V / world] -> int64 [B].
-    top_k_bound (triton only): every row's top_k is in 1 .. top_k_bound (the caller's config says so; the parameters
-    are device tensors), which lets the cuts come from each rank's top_k_bound best logits (`candidate_cuts`)."""
+    filters (triton only): what every row's top_k and top_p are (the caller's config), None when not known."""
     if triton:
-        return sample_triton(logits, start, temperature, top_k, top_p, min_p, seed, step, top_k_bound)
+        return sample_triton(logits, start, temperature, top_k, top_p, min_p, seed, step, filters)
     Vl = logits.shape[1]
     V = Vl * size("world")
     logits, scaled, temperature, top_k, top_p, min_p, seed, step = naive_sampling.prepare(
@@ -141,10 +163,10 @@ def sample(logits, start: int, temperature, top_k, top_p, min_p, seed, step, tri
     return choose(all_gather(mine, "world"), temperature > 0)
 
 
-def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step, top_k_bound: int = 0):
-    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys (from
-    each rank's candidates when 0 < top_k_bound <= CANDIDATES_MAX, else by the search), the race in
-    `shard_candidates`."""
+def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, step, filters: Filters | None = None):
+    """The Triton sampler's `sample` of the gathered logits, from this rank's slice: the cuts as its keys (none
+    without a filter, from each rank's best logits under a top-k up to CANDIDATES_MAX, else by the search), the
+    race in `shard_candidates`."""
     B, fused = logits.shape[0], triton_sampling()
 
     def per_row(v, dtype):  # contiguous: shard_candidates reads row r's parameter at r
@@ -155,8 +177,11 @@ def sample_triton(logits, start: int, temperature, top_k, top_p, min_p, seed, st
     sampled = temperature > 0
     x = logits.float()  # [B, Vl] the kernel's values
     c = exp2_scale(temperature)
-    if 0 < top_k_bound <= CANDIDATES_MAX:
-        m, cut = candidate_cuts(x, c, top_k, top_p, min(top_k_bound, x.shape[1]))
+    cuts = "search" if filters is None else filters.cuts
+    if cuts == "none":
+        m, cut = uncut(x)
+    elif cuts == "candidates":
+        m, cut = candidate_cuts(x, c, top_k, top_p, min(filters.top_k, x.shape[1]))
     else:
         m, cut = searched_cuts(x, c, top_k, top_p)
     race = (m, temperature, cut.int(), torch.where(sampled, min_p.clamp(max=1), 0.0), seed, step)
@@ -169,12 +194,23 @@ def exp2_scale(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature > 0, LOG2E / temperature.clamp(min=1e-30), LOG2E)
 
 
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """The row's max [B] over every rank's slice x [B, Vl], NaN ignored (an all-reduce)."""
+    return all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")
+
+
+def uncut(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`searched_cuts` of rows with neither top-k nor top-p: the row's max, and the lowest key (every token kept)."""
+    m = row_max(x)
+    return m, torch.full_like(m, INT32_KEYS[0] + 1, dtype=torch.int64)
+
+
 def searched_cuts(x: torch.Tensor, c: torch.Tensor, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the row's max m [B] fp32, NaN ignored; the kept tokens' lowest key [B] int64): the top-k cut, then the
     top-p cut within the top-k set, each by `global_cut` over the rank's int32 keys (a sort of the slice, then 4
     all-reduces per cut)."""
     finite = x.isfinite()
-    m = all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")  # [B] the row's max
+    m = row_max(x)
     mass = torch.where(finite, torch.exp2((x.double() - m.double()[:, None]) * c.double()[:, None]), 0.0)
     keys = triton_sampling().ordered_keys(torch.where(finite, x, 0.0))  # [B, Vl]; non-finite x weigh nothing
     ordered = keys.sort(-1)

@@ -71,7 +71,8 @@ def load_program(directory, model, weights_identity: dict, settings: ExportSetti
     if program.settings.methods != ("forward",) and saved != wanted:
         raise ExportError(
             f"refusing program {directory}: its methods sample with {saved}, the config's sampling needs {wanted} "
-            f"(sampling.temperature 0 exports the argmax alone, sampling.top_k > 0 under parallel.tp x ep > 1 a bound)"
+            f"(sampling.temperature 0 exports the argmax alone; under parallel.tp x ep > 1, sampling.top_k / top_p "
+            f"decide how the cuts are found)"
         )
     return pin_host_arena(program)
 
