@@ -26,6 +26,9 @@ Rows, in order (JSON rewritten after each, rank 0 writes it):
 - 397b: Qwen3.5-397B-A17B's dimensions cut to 4 layers (512 experts top-10, hidden 4096, the full vocabulary),
   bf16 and FP8 (model.weights=fp8), decode batch 1 at TP2: the 397B issue's shapes, sharding and memory per rank
   on the GPUs this machine has (its 4 / 8-GPU runs need a kind that is not lent).
+- symm_mem (last: a rank stuck in a peer's op would hang only this row): the allreduce row's tensors through
+  torch.distributed's symmetric-memory one-shot and two-shot all-reduces, in a CUDA graph, their sums checked
+  against NCCL's (all-reduce latency is most of what TP adds to a decode step: 80 of them in a 35B step).
 The all-reduce table: per decode token, count x µs per call (from the allreduce row) against the step's time.
 """
 
@@ -52,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 DEVICE = "cpu" if SMOKE else "cuda"
 FAST = ["runtime=cuda_native", "export=copy_elided", "kernels=triton"]
-ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b", "layouts", "397b")
+ROWS = ("check", "allreduce", "35b", "ablation", "profile", "122b", "layouts", "397b", "symm_mem")
 
 
 def config(*overrides):
@@ -145,6 +148,46 @@ def allreduce_us(hidden: int, rows: int, calls: int = 100) -> float:
     return event_median_us(graph.replay, 10) / calls
 
 
+def symm_mem_allreduce_us(hidden: int, rows: int, op: str, calls: int = 100) -> float | str:
+    """µs per all-reduce of a [rows, hidden] bf16 tensor by a symmetric-memory op of torch.distributed, `calls`
+    in one CUDA graph: "one_shot" (each rank reads every peer's buffer over NVLink and sums) or "two_shot" (a
+    reduce-scatter then an all-gather, in place), each call staging the tensor into the op's symmetric buffer as
+    qmoe::all_reduce would. Its sums are checked against NCCL's first. A candidate for qmoe::all_reduce at decode
+    sizes, measured before it is one: a failure (an op this torch lacks, a capture it refuses) is returned as one
+    line."""
+    try:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        from benchlib import event_median_us
+
+        group = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous by older torch
+            symm_mem.enable_symm_mem_for_group(group)
+        buffer = symm_mem.empty(rows * hidden, dtype=torch.bfloat16, device=DEVICE)
+        symm_mem.rendezvous(buffer, group)
+        x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=DEVICE)
+
+        def reduced() -> torch.Tensor:
+            buffer.copy_(x.view(-1))
+            if op == "one_shot":
+                return torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", group)
+            torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", group)
+            return buffer
+
+        want = collectives.all_reduce(x, "world").view(-1)
+        if not torch.equal(reduced(), want):  # two bf16 addends round once either way
+            return f"{op}: sums differ from NCCL's"
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                reduced()
+        graph.replay()
+        return event_median_us(graph.replay, 10) / calls
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is reported, not fatal
+        return f"{op}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def decode_row(label: str, results: dict) -> dict:
     lat, tr = results["latency"], results["transfers"]
     inter = tr.get("inter_gpu", {})
@@ -187,7 +230,7 @@ def main():
     fast = ["kernels=torch"] if SMOKE else FAST
     common = ["prompt.length=128", f"generation.max_new_tokens={args.new_tokens}"]
     tp_only = [f"parallel.tp={world}"]  # every row's layout but the layouts row's expert-parallel runs
-    doc = {"rows": [], "checks": [], "allreduce_us": {}, "targets": [], "tp": world}
+    doc = {"rows": [], "checks": [], "allreduce_us": {}, "allreduce_symm_mem_us": {}, "targets": [], "tp": world}
     command = f"torchrun --nproc-per-node {world} experiments/bench_tp.py {' '.join(sys.argv[1:])}"
 
     def save():
@@ -305,6 +348,16 @@ def main():
             run(f"397b_4layers_tp_{weights}", f"model={model_397b}", "model.arch.num_hidden_layers=4", *fast,
                 f"model.weights={weights}")  # fmt: skip
             free_models()
+
+    if "symm_mem" in rows and DEVICE == "cuda":
+        for hidden in (2048, 3072):
+            for batch in (1, 32):
+                doc["allreduce_symm_mem_us"][f"{batch}x{hidden}"] = {
+                    op: symm_mem_allreduce_us(hidden, batch, op) for op in ("one_shot", "two_shot")
+                }
+                save()
+        if rank0():
+            print(f"all-reduce us, NCCL {doc['allreduce_us']}; symmetric memory {doc['allreduce_symm_mem_us']}")
 
     # where the all-reduce time goes: count per token x µs per call, against the step
     table = []

@@ -100,7 +100,7 @@ except Exception as e:
     tune_loop_fp8) run_stage tune_loop_fp8 python3 experiments/tune_decode_loop.py --weights fp8 --write-tables --out results/tune_decode_loop_fp8.json ;;
     run_122b_fp8) STAGE_TIMEOUT=400 run_stage run_122b_fp8 bash -c "python3 run.py model=qwen35_moe_122b runtime=cuda_native model.weights=fp8 prompt.length=128 generation.max_new_tokens=128 logger=none hydra.run.dir=/tmp/run_122b_fp8 && cp /tmp/run_122b_fp8/results.json results/run_122b_fp8_decode.json" ;;
     some_tests) run_stage some_tests python3 -m pytest -q -m gpu -n 8 --timeout 300 -p no:cacheprovider ${TESTS:-tests/kernel_ops} ;;
-    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile,layouts,397b} ;;
+    tp) run_stage tp python3 -m torch.distributed.run --nproc-per-node 2 experiments/bench_tp.py --rows ${TP_ROWS:-check,allreduce,35b,122b,ablation,profile,layouts,397b,symm_mem} ;;
     *) echo "unknown stage $stage" | tee -a "$log" ;;
   esac
 done
