@@ -253,8 +253,23 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
     out["triton_cut_cases"] = sampling.sample(mine, layout.rank * Vl, *row_params.values(), triton=True,
                                               filters=Filters(CANDIDATES, True)).tolist()  # fmt: skip
 
+    partial = torch.full((3,), float(rank + 1))
+    out["reduced_in_place"] = collectives.reduced(partial, "world") is partial and partial.tolist()
+
     if exported:  # the cuda_native loop over exported methods (collectives as custom ops) on the CPU delegate
         from qmoe.export import ExportSettings
+        from qmoe.export.methods import export_methods
+        from qmoe.export.program import Delegate
+
+        ep = export_methods(model, "forward_only", 2, 32)["forward"]
+        delegate = Delegate("forward", ep, model).graph_module
+        out["exported_all_reduces"] = [  # the exported graph's, and those its delegate runs on the partial sums
+            sum(n.target is target for n in gm.graph.nodes)
+            for gm, target in (
+                (ep.graph_module, torch.ops.qmoe.all_reduce.default),
+                (delegate, collectives.all_reduce_consumed),
+            )
+        ]
         from qmoe.runtime.cuda_native import CudaNativeRunner
         from qmoe.runtime.executor import build_program
 
@@ -368,7 +383,11 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
     assert got["greedy_triton"] == one_process["greedy_triton"] == one_process["greedy"]
     assert got["sampled_triton"] == one_process["sampled_triton"]
     assert got["unfiltered_triton"] == one_process["unfiltered_triton"]
+    W = tp * ep
+    assert got["reduced_in_place"] == [W * (W + 1) / 2] * 3  # a module's partial sums: summed in their own memory
     if exported:
+        # every block's all-reduce (the mixer's and the MoE block's per layer) reduces in place in the delegate
+        assert got["exported_all_reduces"] == [tiny_config().num_hidden_layers * 2] * 2
         assert got["exported_greedy"] == one_process["greedy"]
         assert got["exported_sampled"] == one_process["sampled"]
         assert got["exported_sampled_triton"] == one_process["sampled_triton"]
