@@ -227,8 +227,9 @@ def candidate_cuts(x: torch.Tensor, c: torch.Tensor, top_k, top_p, C: int) -> tu
     (with its max, and how many of its logits equal its C-th); every rank then finds the same cuts from the W * C.
     They suffice: fewer than k tokens lie above the top-k cut (its definition), so each rank sent all of its own;
     the top-p cut is at or above the top-k cut and weighs only tokens above itself. The tokens tied at the top-k
-    cut count in the top-k set's mass, and only they can outnumber what a rank sent: the rank whose C-th logit is
-    at the cut counted all of its own; every other rank holds none below what it sent, so it sent them all."""
+    cut count in the top-k set's mass, and only they can outnumber what a rank sent: a rank whose C-th logit is at
+    the cut counted all of its own; any other rank's C-th is below the cut (above it, the rank alone would hold C
+    >= k tokens above the cut), so it sent every token at the cut."""
     B = x.shape[0]
     finite = x.isfinite()
     masked = torch.where(finite, x, float("-inf"))
