@@ -108,22 +108,21 @@ def first_argmax(x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tenso
     return value, (index + start).double()
 
 
-def pick(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """value, index [W, B] (each rank's candidate) -> the global index [B] int64 of the largest value, the lowest
-    index on ties, as one process's argmax picks it."""
-    best = value.max(0).values
-    return torch.where(value == best, index, float("inf")).min(0).values.clamp(max=2**62).long()  # NaN rows: any
+def pick(value: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """value, index [W, B] (each rank's candidate, the lowest index of its slice's largest) -> (the largest value
+    [B], NaN where a rank's is; its global index [B] int64, the lowest on ties, as one process's argmax picks it:
+    rank r's slice precedes rank r + 1's, and torch.max takes the first rank of the largest)."""
+    best, rank = value.max(0)
+    return best, index.gather(0, rank[None])[0].long()  # NaN rows: any
 
 
 def choose(gathered: torch.Tensor, sampled: torch.Tensor | None) -> torch.Tensor:
     """The token [B] from every rank's candidates [W, B, 2 | 4] (max, its index[, race key, its index]): the race
     winner where `sampled`, else the argmax; then one process's special rows: an +inf logit wins (the lowest such
     index: the argmax), a row with a NaN or with only -inf is INVALID_TOKEN."""
-    value, index = gathered[..., 0], gathered[..., 1]  # each [W, B]
-    best = value.max(0).values  # NaN where any rank saw one
-    token = pick(value, index)
+    best, token = pick(gathered[..., 0], gathered[..., 1])  # best [B]: NaN where any rank saw one
     if sampled is not None:
-        token = torch.where(sampled & (best < float("inf")), pick(gathered[..., 2], gathered[..., 3]), token)
+        token = torch.where(sampled & (best < float("inf")), pick(gathered[..., 2], gathered[..., 3])[1], token)
     return torch.where(best.isnan() | (best == float("-inf")), INVALID_TOKEN, token)
 
 
