@@ -275,6 +275,7 @@ def rank_checks(rank: int, tp: int, ep: int, checkpoint: str | None, exported: b
 
         runs = [("greedy", GREEDY, "split", "torch"), ("sampled", SAMPLED, "fused", "torch")]
         runs += [("sampled_triton", SAMPLED, "split", "triton")]  # the Triton candidates' custom op exports
+        runs += [("unfiltered_triton", UNFILTERED, "fused", "triton")]  # no cut to find, in the fused split
         for name, s, split, sampler in runs:
             model.set_kernels({"sampling": sampler}, greedy=s.greedy, filters=Filters(s.top_k, s.top_p < 1))
             flags = {"skip_h2d_for_method_inputs": True, "skip_d2h_for_method_outputs": True}
@@ -391,6 +392,7 @@ def test_sharded_run_equals_one_process(layout, one_process, checkpoints):
         assert got["exported_greedy"] == one_process["greedy"]
         assert got["exported_sampled"] == one_process["sampled"]
         assert got["exported_sampled_triton"] == one_process["sampled_triton"]
+        assert got["exported_unfiltered_triton"] == one_process["unfiltered_triton"]
 
     V = 64 * tp * ep
     cases, params = sampler_cases(V)
