@@ -1186,6 +1186,10 @@ def test_gpu_vocab_parallel_form_is_the_samplers_token(shape):
         want = fused.sample(logits, *args)
         got = vocab_parallel.sample(logits, 0, *args, triton=True)
         assert torch.equal(got, want), (shape, top_k, top_p, min_p)
+        # the config's filters: the cuts from the rank's 50 best logits, or none to find
+        filters = vocab_parallel.Filters(top_k, top_p < 1)
+        got = vocab_parallel.sample(logits, 0, *args, triton=True, filters=filters)
+        assert torch.equal(got, want), (shape, filters)
     assert torch.equal(vocab_parallel.greedy(logits, 0, triton=True), fused.greedy(logits))
     m = logits.float().amax(-1)
     cut = torch.full((B,), -(2**31), dtype=torch.int32, device="cuda")  # the race over every finite token
@@ -1196,8 +1200,10 @@ def test_gpu_vocab_parallel_form_is_the_samplers_token(shape):
               fused.launch_shard_candidates(logits[:, half:].contiguous(), half, race)]  # fmt: skip
     sampled = torch.ones(B, dtype=torch.bool, device="cuda")
     assert torch.equal(vocab_parallel.choose(torch.stack(halves), sampled), vocab_parallel.choose(whole[None], sampled))
-    graph, out = captured(lambda: vocab_parallel.sample(logits, 0, temperature, 50, 0.9, 0.0, seed, step, triton=True))
-    for i in range(3):
-        step += 1
-        graph.replay()
-        assert torch.equal(out, fused.sample(logits, temperature, 50, 0.9, 0.0, seed, step)), i
+    for filters in (None, vocab_parallel.Filters(50, True)):  # the search, the candidates
+        args = (temperature, 50, 0.9, 0.0, seed, step)
+        graph, out = captured(lambda: vocab_parallel.sample(logits, 0, *args, triton=True, filters=filters))  # noqa: B023
+        for i in range(3):
+            step += 1
+            graph.replay()
+            assert torch.equal(out, fused.sample(logits, temperature, 50, 0.9, 0.0, seed, step)), (i, filters)
