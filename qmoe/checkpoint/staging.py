@@ -38,9 +38,8 @@ STAGE_BYTES = 64 << 20  # per pinned buffer: large enough that a copy's fixed co
 READ_PIECE = 8 << 20  # bytes per positioned read: a stage's pieces go to the threads together
 READ_THREADS = min(8, os.cpu_count() or 1)
 RUN_MIN = 256 << 10  # a slice's contiguous runs of at least this many bytes are read one by one, shorter ones as a span
-SPAN_BYTES = (
-    STAGE_BYTES  # a short-run slice's span is read this many bytes of leading-dim rows at a time (one row at least)
-)
+# a short-run slice's span is read this many bytes of leading-dim rows at a time (one row at least)
+SPAN_BYTES = STAGE_BYTES
 _readers: dict[int, ThreadPoolExecutor] = {}  # pid -> its pool, made at its first read that has several pieces
 
 

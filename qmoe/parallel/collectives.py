@@ -92,7 +92,7 @@ def all_reduce_consumed(x: torch.Tensor, group: str, op: str = "sum") -> torch.T
 
 @torch.library.custom_op("qmoe::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
-    return all_reduce_consumed(x.contiguous().clone(), group, op)
+    return all_reduce_consumed(x.clone(memory_format=torch.contiguous_format), group, op)  # one copy, contiguous
 
 
 @_all_reduce_op.register_fake

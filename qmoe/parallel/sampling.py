@@ -193,9 +193,14 @@ def exp2_scale(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature > 0, LOG2E / temperature.clamp(min=1e-30), LOG2E)
 
 
+def slice_max(x: torch.Tensor) -> torch.Tensor:
+    """The max [B] of this rank's slice x [B, Vl], NaN ignored."""
+    return torch.where(x.isnan(), float("-inf"), x).amax(-1)
+
+
 def row_max(x: torch.Tensor) -> torch.Tensor:
     """The row's max [B] over every rank's slice x [B, Vl], NaN ignored (an all-reduce)."""
-    return all_reduce(torch.where(x.isnan(), float("-inf"), x).amax(-1), "world", "max")
+    return all_reduce(slice_max(x), "world", "max")
 
 
 def uncut(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,8 +239,7 @@ def candidate_cuts(x: torch.Tensor, c: torch.Tensor, top_k, top_p, C: int) -> tu
     masked = torch.where(finite, x, float("-inf"))
     best = masked.topk(C, -1).values  # [B, C] descending; -inf past the rank's finite logits
     ties = ((masked == best[:, -1:]) & finite).sum(-1)  # [B] the rank's finite logits equal to its C-th
-    local_max = torch.where(x.isnan(), float("-inf"), x).amax(-1)  # [B]
-    mine = torch.cat([best.double(), ties.double()[:, None], local_max.double()[:, None]], -1)  # [B, C + 2]
+    mine = torch.cat([best.double(), ties.double()[:, None], slice_max(x).double()[:, None]], -1)  # [B, C + 2]
     every = all_gather(mine, "world")  # [W, B, C + 2]
     W = every.shape[0]
     m = every[..., C + 1].amax(0)  # [B] the row's max (fp32 values: exact in fp64)

@@ -66,7 +66,8 @@ def load_program(directory, model, weights_identity: dict, settings: ExportSetti
             f"refusing program {directory}: exported with {program.settings.to_dict()}, the config asks for "
             f"{settings.to_dict()}"
         )
-    # every method but forward samples, with what the config that exported it fixed (greedy, a top-k bound)
+    # every method but forward samples, with what the config that exported it fixed (greedy; under tensor
+    # parallel, the filters: the sampler's name says both)
     saved, wanted = program.kernels["sampling"], model.ops["sampling"].__name__
     if program.settings.methods != ("forward",) and saved != wanted:
         raise ExportError(
